@@ -1,0 +1,179 @@
+"""Read DCP's pickled ``.metadata`` (and its non-tensor items) without executing code from the file.
+
+DCP (``torch.distributed.checkpoint``) stores its global metadata as a plain pickle, and
+``FileSystemReader.read_metadata`` loads it with an unrestricted ``pickle.load``: a crafted ``.metadata``
+can run arbitrary code. :func:`load_dcp_metadata` uses an unpickler whose ``find_class`` admits only the
+classes a real DCP metadata pickle references (found by logging ``find_class`` while loading the
+``.metadata`` of a torch 2.13 single-process save of tensors of several dtypes, a channels-last tensor,
+optimizer state, ints, floats, strings, tuples, bytes and an ``OrderedDict``):
+
+* ``torch.distributed.checkpoint.metadata``: Metadata, StorageMeta, TensorStorageMetadata,
+  BytesStorageMetadata, ChunkStorageMetadata, TensorProperties, MetadataIndex, _MEM_FORMAT_ENCODING
+* ``torch.distributed.checkpoint.filesystem._StorageInfo``
+* ``torch.Size``, every ``torch.<dtype>``, ``torch.serialization._get_layout`` (how layouts pickle)
+* ``pathlib.PosixPath`` (``StorageMeta.checkpoint_id`` when the save was given a ``Path``) and its pure
+  variants, also under ``pathlib._local`` where Python 3.13 moved them
+* plus harmless containers a metadata pickle may use: ``collections.OrderedDict``, ``builtins`` set,
+  frozenset, slice, complex, bytearray
+
+Non-tensor ("bytes") items: torch 2.13's ``FileSystemReader.read_data`` hands their bytes to
+``planner.load_bytes``, and ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(value,
+weights_only=False)``: an unrestricted unpickle. (Tensor items are read with ``weights_only=True``.)
+:class:`SafeFileSystemReader` therefore wraps the planner so that every bytes item is first loaded with
+``torch.load(weights_only=True)`` and only the re-serialised, known-safe object reaches the planner.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from peftckpt.checkpoint.errors import CheckpointFormatError, UnsafeCheckpointError
+
+__all__ = ["ALLOWED_GLOBALS", "RestrictedUnpickler", "load_dcp_metadata", "SafeFileSystemReader"]
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_PATH_CLASSES = frozenset({"PosixPath", "PurePosixPath", "PureWindowsPath"})
+
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "BytesStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+        ("builtins", "complex"),
+        ("builtins", "bytearray"),
+        *(("pathlib", name) for name in _PATH_CLASSES),
+        *(("pathlib._local", name) for name in _PATH_CLASSES),
+    }
+)
+"""``(module, name)`` pairs :class:`RestrictedUnpickler` resolves, besides ``torch.<dtype>``."""
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only :data:`ALLOWED_GLOBALS` and torch dtypes; anything else raises."""
+
+    def __init__(self, file: IO[bytes], source: str | os.PathLike[str]) -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        """Resolve ``module.name`` if admitted, else raise :class:`UnsafeCheckpointError`."""
+        if (module, name) in ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self._source} refers to {module}.{name}, which is not one of the classes a DCP metadata "
+            f"file may contain; refusing to load it (it could run code). Re-save the checkpoint with "
+            f"peftckpt or inspect the file"
+        )
+
+
+def load_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
+    """Load a DCP ``.metadata`` pickle through :class:`RestrictedUnpickler`.
+
+    Raises:
+        UnsafeCheckpointError: the pickle refers to a class outside the admitted set.
+        CheckpointFormatError: the file is missing, is not a valid pickle, or holds no DCP ``Metadata``.
+    """
+    try:
+        with open(path, "rb") as f:
+            obj = RestrictedUnpickler(f, path).load()
+    except UnsafeCheckpointError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"DCP metadata file {path} is missing") from None
+    except Exception as exc:  # any unpickling failure of a corrupt file: EOF, bad opcode, bad args
+        raise CheckpointFormatError(
+            f"DCP metadata file {path} is corrupt: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(obj, Metadata):
+        raise CheckpointFormatError(
+            f"DCP metadata file {path} holds a {type(obj).__name__}, expected "
+            f"torch.distributed.checkpoint.metadata.Metadata"
+        )
+    return obj
+
+
+class _SafeBytesPlanner:
+    """Proxy of a ``LoadPlanner`` whose ``load_bytes`` only ever sees weights_only-loaded objects."""
+
+    def __init__(self, planner: LoadPlanner, reader: SafeFileSystemReader) -> None:
+        self._planner = planner
+        self._reader = reader
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            where = self._reader.describe_item(read_item)
+            # torch's message is a page of advice to turn the check off; keep only the refused global.
+            text = str(exc)
+            reason = (
+                text[text.find("WeightsUnpickler error:") :].split("\n", 1)[0]
+                if "WeightsUnpickler" in text
+                else text
+            )
+            raise UnsafeCheckpointError(
+                f"non-tensor item {where} cannot be loaded with torch.load(weights_only=True), so it is "
+                f"refused (it could run code): {reason}"
+            ) from exc
+        # The planner unpickles without restriction; hand it our own serialisation of a safe object.
+        safe = io.BytesIO()
+        torch.save(obj, safe)
+        safe.seek(0)
+        self._planner.load_bytes(read_item, safe)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` that never unpickles without restriction.
+
+    * ``read_metadata`` goes through :func:`load_dcp_metadata` (and, like the base class, fills in
+      ``storage_meta`` and its ``load_id``).
+    * ``read_data`` loads non-tensor items with ``torch.load(weights_only=True)`` before the planner
+      sees them; tensors are already loaded that way by the base class.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Read ``.metadata`` (or ``__<rank>.metadata`` when ``rank`` is given) safely."""
+        path = self._get_metadata_path(kwargs.get("rank"))
+        metadata = load_dcp_metadata(path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Base ``read_data`` with bytes items checked by ``torch.load(weights_only=True)``."""
+        return super().read_data(plan, cast(LoadPlanner, _SafeBytesPlanner(planner, self)))
+
+    def describe_item(self, read_item: ReadItem) -> str:
+        """``'<fqn>' in <file>`` for error messages."""
+        fqn = read_item.storage_index.fqn
+        info = self.storage_data.get(read_item.storage_index)
+        rel = getattr(info, "relative_path", "?")
+        return f"{fqn!r} in {Path(str(self.path)) / rel}"

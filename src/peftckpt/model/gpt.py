@@ -1,0 +1,269 @@
+"""A Llama-style GPT decoder with Megatron module names, built one pipeline chunk at a time.
+
+State-dict names (global layer numbers, whatever the pipeline split)::
+
+    embedding.word_embeddings.weight            [vocab, hidden]   (replicated over TP)
+    embedding.position_embeddings.weight        [max_pos, hidden] (learned_absolute only)
+    decoder.layers.N.input_layernorm.weight
+    decoder.layers.N.self_attention.linear_qkv.weight   [(heads + 2*groups) * head_dim, hidden]
+    decoder.layers.N.self_attention.linear_proj.weight  [hidden, heads * head_dim]
+    decoder.layers.N.pre_mlp_layernorm.weight
+    decoder.layers.N.mlp.linear_fc1.weight      [2*ffn (SwiGLU: [gate; up]) or ffn, hidden]
+    decoder.layers.N.mlp.linear_fc2.weight      [hidden, ffn]
+    decoder.final_layernorm.weight
+    output_layer.weight                         [vocab, hidden] (untied only)
+
+The fused QKV rows are grouped per query group -- ``[q_g (heads/groups heads), k_g, v_g]`` for each group g
+-- so a contiguous TP split hands every rank whole groups and the global tensor does not depend on TP.
+
+Initialisation is a pure function of ``(seed, parameter name)``: every layout (TP, PP, DP) builds exactly
+the same global weights without communication, and no rank ever holds more than one full tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.tensor_parallel import TensorParallel, local_tensor
+from .config import GPTConfig
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["GPTModel", "TransformerLayer", "param_generator", "gpt_loss"]
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator that depends only on the seed and the parameter's full name."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**62))
+
+
+class _Init:
+    """Deterministic full-size initial values, one generator per parameter name."""
+
+    def __init__(self, config: GPTConfig, seed: int):
+        self.config = config
+        self.seed = seed
+
+    def normal(self, name: str, shape: tuple[int, ...], std: float | None = None) -> torch.Tensor:
+        std = self.config.init_method_std if std is None else std
+        return torch.randn(shape, generator=param_generator(self.seed, name)) * std
+
+    def output_proj(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        # Megatron's scaled init for the projections that feed the residual stream.
+        return self.normal(name, shape, self.config.init_method_std / math.sqrt(2.0 * self.config.num_layers))
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm with replicated parameters, computed in fp32."""
+
+    def __init__(self, config: GPTConfig, tp: TensorParallel):
+        super().__init__()
+        self.kind = config.normalization
+        self.eps = config.norm_epsilon
+        self.weight = tp.make_param(torch.ones(config.hidden_size), None)
+        self.bias = tp.make_param(torch.zeros(config.hidden_size), None) if self.kind == "LayerNorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = local_tensor(self.weight)
+        xf = x.float()
+        if self.kind == "RMSNorm":
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w
+        else:
+            assert self.bias is not None
+            y = F.layer_norm(xf, (xf.shape[-1],), w, local_tensor(self.bias), self.eps)
+        return y.type_as(x)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables of shape [seq, head_dim] (rotate-half convention, as HF Llama)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class SelfAttention(nn.Module):
+    """Causal grouped-query attention over this rank's query groups."""
+
+    def __init__(self, config: GPTConfig, tp: TensorParallel, init: _Init, prefix: str):
+        super().__init__()
+        self.config = config
+        hd, h = config.head_dim, config.hidden_size
+        self.heads_per_group = config.num_attention_heads // config.groups
+        self.local_groups = config.groups // tp.size
+        self.linear_qkv = ColumnParallelLinear(init.normal(f"{prefix}.linear_qkv.weight", (config.qkv_size, h)), tp)
+        self.linear_proj = RowParallelLinear(
+            init.output_proj(f"{prefix}.linear_proj.weight", (h, config.num_attention_heads * hd)), tp
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd, hpg, g = self.config.head_dim, self.heads_per_group, self.local_groups
+        qkv = self.linear_qkv(x).view(b, s, g, hpg + 2, hd)
+        q = qkv[:, :, :, :hpg, :].reshape(b, s, g * hpg, hd).transpose(1, 2)
+        k = qkv[:, :, :, hpg, :].transpose(1, 2)
+        v = qkv[:, :, :, hpg + 1, :].transpose(1, 2)
+        if self.config.position_embedding_type == "rope":
+            cos, sin = rope_cos_sin(s, hd, self.config.rotary_base, q.dtype)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        if hpg > 1:
+            k = k.repeat_interleave(hpg, dim=1)
+            v = v.repeat_interleave(hpg, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, g * hpg * hd))
+
+
+class MLP(nn.Module):
+    """Fused SwiGLU (``linear_fc1`` = ``[gate; up]`` in one GEMM) or GELU."""
+
+    def __init__(self, config: GPTConfig, tp: TensorParallel, init: _Init, prefix: str):
+        super().__init__()
+        self.swiglu = config.swiglu
+        h, f = config.hidden_size, config.ffn
+        rows = 2 * f if self.swiglu else f
+        self.linear_fc1 = ColumnParallelLinear(
+            init.normal(f"{prefix}.linear_fc1.weight", (rows, h)), tp, num_chunks=2 if self.swiglu else 1
+        )
+        self.linear_fc2 = RowParallelLinear(init.output_proj(f"{prefix}.linear_fc2.weight", (h, f)), tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)  # local [gate_r; up_r]
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.linear_fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm decoder layer; ``layer_number`` is global (0-based)."""
+
+    def __init__(self, config: GPTConfig, tp: TensorParallel, init: _Init, layer_number: int):
+        super().__init__()
+        self.layer_number = layer_number
+        prefix = f"decoder.layers.{layer_number}"
+        self.input_layernorm = Norm(config, tp)
+        self.self_attention = SelfAttention(config, tp, init, f"{prefix}.self_attention")
+        self.pre_mlp_layernorm = Norm(config, tp)
+        self.mlp = MLP(config, tp, init, f"{prefix}.mlp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x))
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: GPTConfig, tp: TensorParallel, init: _Init):
+        super().__init__()
+        self.word_embeddings = nn.Module()
+        self.word_embeddings.weight = tp.make_param(
+            init.normal("embedding.word_embeddings.weight", (config.vocab_size, config.hidden_size)), None
+        )
+        self.position_embeddings: nn.Module | None = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Module()
+            self.position_embeddings.weight = tp.make_param(
+                init.normal("embedding.position_embeddings.weight",
+                            (config.max_position_embeddings, config.hidden_size)), None
+            )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(tokens, local_tensor(self.word_embeddings.weight))
+        if self.position_embeddings is not None:
+            pos = torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + F.embedding(pos, local_tensor(self.position_embeddings.weight))
+        return x
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: GPTConfig, tp: TensorParallel, init: _Init, layer_numbers: Iterable[int],
+                 post_process: bool):
+        super().__init__()
+        # Keyed by the *global* layer number so state-dict keys do not depend on the pipeline split.
+        self.layers = nn.ModuleDict({str(n): TransformerLayer(config, tp, init, n) for n in layer_numbers})
+        self.final_layernorm = Norm(config, tp) if post_process else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x
+
+
+class GPTModel(nn.Module):
+    """One pipeline chunk of the GPT: optional embedding, some layers, optional head.
+
+    ``pre_process`` chunks take token ids ``[b, s]``; the others take hidden states ``[b, s, hidden]``.
+    ``post_process`` chunks return logits ``[b, s, vocab]``; the others return hidden states.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        tp: TensorParallel | None = None,
+        layer_numbers: Iterable[int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        seed: int = 1234,
+    ):
+        super().__init__()
+        tp = tp or TensorParallel()
+        if config.groups % tp.size:
+            raise ValueError(
+                f"--num-query-groups ({config.groups}) must be divisible by --tensor-model-parallel-size ({tp.size})"
+            )
+        if config.ffn % tp.size:
+            raise ValueError(
+                f"--ffn-hidden-size ({config.ffn}) must be divisible by --tensor-model-parallel-size ({tp.size})"
+            )
+        tied = not config.untie_embeddings_and_output_weights
+        if tied and post_process and not pre_process:
+            raise ValueError(
+                "tied embeddings need the embedding and the output layer on the same pipeline stage: pass "
+                "--untie-embeddings-and-output-weights with --pipeline-model-parallel-size > 1"
+            )
+        self.config = config
+        self.tp = tp
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
+        init = _Init(config, seed)
+        self.embedding = Embedding(config, tp, init) if pre_process else None
+        self.decoder = Decoder(config, tp, init, self.layer_numbers, post_process)
+        self.output_layer: nn.Module | None = None
+        if post_process and not tied:
+            self.output_layer = nn.Module()
+            self.output_layer.weight = tp.make_param(
+                init.normal("output_layer.weight", (config.vocab_size, config.hidden_size)), None
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        x = self.decoder(x)
+        if not self.post_process:
+            return x
+        if self.output_layer is not None:
+            w = local_tensor(self.output_layer.weight)
+        else:
+            assert self.embedding is not None
+            w = local_tensor(self.embedding.word_embeddings.weight)
+        return F.linear(x, w)
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (fp32)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,218 @@
+"""``peftckpt train`` flags (Megatron-LM names) and the validation that runs before any process group.
+
+Every combination that cannot work is refused here with a message naming the flags; the CLI turns that
+into exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from ..model.config import LORA_TARGETS, GPTConfig, LoRAConfig
+from ..parallel.dims import ParallelDims
+
+__all__ = ["ArgumentError", "build_parser", "parse_train_args", "model_config", "lora_config", "parallel_dims"]
+
+
+class ArgumentError(ValueError):
+    """A flag value or combination that cannot work."""
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden (SwiGLU: per half)")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None, help="KV heads (GQA); default: one per head")
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--vocab-size", type=int, default=512)
+    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True,
+                   help="fused SwiGLU MLP (one linear_fc1 GEMM for gate and up); --no-swiglu = GELU")
+    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction, default=True,
+                   help="separate output layer (default); --no-untie-embeddings-and-output-weights ties them")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _add_lora(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA (the base is frozen when --lora-rank > 0)")
+    g.add_argument("--lora-rank", type=int, default=0, help="0 = no adapters, train every parameter")
+    g.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
+    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-target-modules", nargs="+", default=list(LORA_TARGETS), metavar="MODULE",
+                   help=f"any of {' '.join(LORA_TARGETS)}")
+    g.add_argument("--lora-layers", nargs="+", type=int, default=None, metavar="N",
+                   help="global layer numbers that get adapters (default: all)")
+    g.add_argument("--lora-train-params", nargs="+", default=[], metavar="NAME",
+                   help="base parameters to keep trainable, e.g. decoder.final_layernorm.weight")
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (data parallel = world / (tp * pp))")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved pipeline: layers per virtual stage")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard parameters, gradients and optimizer state over data parallel (FSDP2)")
+
+
+def _add_training(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=8)
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 = no clipping")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward (fp32 weights)")
+
+
+def _add_data(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true", help="deterministic synthetic task (no files)")
+    g.add_argument("--data-path", default=None, help=".txt or .jsonl ({\"text\": ...} or {\"input_ids\": [...]})")
+    g.add_argument("--eval-interval", type=int, default=0, help="0 = no evaluation")
+    g.add_argument("--eval-iters", type=int, default=2)
+    g.add_argument("--eval-fraction", type=float, default=0.05, help="held-out share of the data for eval")
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--metrics-file", default=None, help="append one JSON line per iteration")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="live progress line (default: when stdout is a terminal)")
+
+
+def build_parser(prog: str = "peftckpt train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train a GPT (optionally with LoRA) with TP x PP x DP.")
+    for add in (_add_model, _add_lora, _add_parallel, _add_training, _add_data, _add_logging):
+        add(p)
+    # Checkpoint flags are added by the checkpoint integration (see train/checkpointing.py).
+    from .checkpointing import add_checkpoint_args
+
+    add_checkpoint_args(p)
+    return p
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
+        max_position_embeddings=args.max_position_embeddings, swiglu=args.swiglu,
+        normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        init_method_std=args.init_method_std,
+    )
+
+
+def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
+    if args.lora_rank <= 0:
+        return None
+    alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
+    return LoRAConfig(rank=args.lora_rank, alpha=alpha, dropout=args.lora_dropout,
+                      target_modules=tuple(args.lora_target_modules),
+                      layers=None if args.lora_layers is None else tuple(args.lora_layers),
+                      train_params=tuple(args.lora_train_params))
+
+
+def parallel_dims(args: argparse.Namespace, world_size: int) -> ParallelDims:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vpp = 1
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        lpv = args.num_layers_per_virtual_pipeline_stage
+        if pp < 2:
+            raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+        if lpv < 1 or args.num_layers % (pp * lpv):
+            raise ArgumentError(
+                f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) x "
+                f"--num-layers-per-virtual-pipeline-stage ({lpv})"
+            )
+        vpp = args.num_layers // (pp * lpv)
+    return ParallelDims.from_world(world_size, tp, pp, vpp)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse every flag combination that cannot work (``ArgumentError`` naming the flags)."""
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    try:
+        cfg = model_config(args)
+        lora_config(args)
+        dims = parallel_dims(args, world_size)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    tp, pp = dims.tp, dims.pp
+    if cfg.num_layers % dims.num_stages:
+        raise ArgumentError(
+            f"--num-layers ({cfg.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})"
+            + (" x virtual stages" if dims.vpp > 1 else "")
+        )
+    for flag, value in (("--num-attention-heads", cfg.num_attention_heads), ("--num-query-groups", cfg.groups),
+                        ("--ffn-hidden-size", cfg.ffn)):
+        if value % tp:
+            raise ArgumentError(f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
+    if pp > 1 and not cfg.untie_embeddings_and_output_weights:
+        raise ArgumentError(
+            "--no-untie-embeddings-and-output-weights (tied embeddings) is not supported with "
+            "--pipeline-model-parallel-size > 1: the embedding and the output layer live on different stages"
+        )
+    if args.seq_length > cfg.max_position_embeddings:
+        raise ArgumentError(
+            f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings ({cfg.max_position_embeddings})"
+        )
+    if args.micro_batch_size < 1 or args.global_batch_size % (args.micro_batch_size * dims.dp):
+        raise ArgumentError(
+            f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
+            f"({args.micro_batch_size}) x data-parallel size ({dims.dp})"
+        )
+    num_micro = args.global_batch_size // (args.micro_batch_size * dims.dp)
+    if pp > 1 and num_micro < pp:
+        raise ArgumentError(
+            f"pipeline parallelism needs at least --pipeline-model-parallel-size ({pp}) micro-batches per step; "
+            f"--global-batch-size / (--micro-batch-size x data-parallel size) = {num_micro}"
+        )
+    if dims.vpp > 1 and num_micro % max(1, num_micro // pp):
+        raise ArgumentError(f"interleaved pipeline: {num_micro} micro-batches per step must be a multiple of "
+                            f"{max(1, num_micro // pp)} (micro-batches // --pipeline-model-parallel-size)")
+    if args.use_distributed_optimizer and tp > 1:
+        raise ArgumentError(
+            "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported yet; "
+            "use --tensor-model-parallel-size 1 or drop --use-distributed-optimizer"
+        )
+    if bool(args.mock_data) == bool(args.data_path):
+        raise ArgumentError("pass exactly one of --mock-data and --data-path")
+    if args.train_iters < 0:
+        raise ArgumentError(f"--train-iters must be >= 0, got {args.train_iters}")
+    if args.eval_interval < 0 or args.eval_iters < 1:
+        raise ArgumentError("--eval-interval must be >= 0 and --eval-iters >= 1")
+    if args.log_interval < 1:
+        raise ArgumentError(f"--log-interval must be >= 1, got {args.log_interval}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    from .checkpointing import validate_checkpoint_args
+
+    validate_checkpoint_args(args)
+
+
+def parse_train_args(argv: Sequence[str] | None, world_size: int) -> argparse.Namespace:
+    """Parse and validate; raises :class:`ArgumentError` (argparse's own errors exit 2 by themselves)."""
+    args = build_parser().parse_args(argv)
+    validate(args, world_size)
+    return args

@@ -1,0 +1,33 @@
+"""Process setup around the trainer: process group, error reporting, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..checkpoint.errors import CheckpointError
+from .args import ArgumentError
+
+__all__ = ["run_training"]
+
+
+def run_training(args: argparse.Namespace, world_size: int, rank: int) -> int:
+    """Initialise gloo (CPU) or NCCL (GPU) when ``world_size > 1``, train, tear down. Returns the exit code."""
+    from .trainer import Trainer
+
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    try:
+        trainer = Trainer(args, world_size, rank)
+        trainer.run()
+        return 0
+    except (ArgumentError, CheckpointError) as e:
+        if rank == 0 or not isinstance(e, ArgumentError):
+            print(f"peftckpt train: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ArgumentError) else 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

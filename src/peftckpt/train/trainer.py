@@ -1,0 +1,220 @@
+"""The reference trainer: GPT (+ LoRA) under TP x PP x DP, driven by ``peftckpt train`` flags.
+
+One :class:`Trainer` per rank. It owns no process-group state beyond the meshes it builds from the
+layout, and it talks to checkpoints only through :mod:`peftckpt.train.checkpointing`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..model.config import GPTConfig, LoRAConfig
+from ..model.gpt import GPTModel, TransformerLayer, gpt_loss
+from ..model.lora import apply_lora
+from ..parallel.data_parallel import allreduce_gradients, clip_grad_norm, shard_for_distributed_optimizer
+from ..parallel.dims import ParallelDims, stage_layer_numbers
+from ..parallel.pipeline import PipelineRunner
+from .args import ArgumentError, lora_config, model_config, parallel_dims
+from .data import GlobalBatchSampler, TokenDataset, build_datasets, dp_slice
+from .metrics import MetricsLogger
+from .schedule import OptimizerParamScheduler
+
+__all__ = ["Trainer", "build_optimizer", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and, if present, CUDA) RNGs."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def build_optimizer(params: list[tuple[str, nn.Parameter]], args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm weights and other vectors are not decayed)."""
+    decay = [p for _, p in params if p.ndim >= 2]
+    no_decay = [p for _, p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+
+
+class Trainer:
+    """Builds the model chunks, optimizer, schedule and data of this rank, then trains.
+
+    Steps of :meth:`__init__`:
+        1. Layout -> meshes (``ParallelDims``), per-rank seeds.
+        2. Model chunks for this rank's pipeline stages (global layer numbers), LoRA, FSDP2 if requested.
+        3. Optimizer over the trainable parameters only, LR schedule.
+        4. Data: datasets, the deterministic global-batch sampler, the pipeline runner.
+    """
+
+    def __init__(self, args: argparse.Namespace, world_size: int = 1, rank: int = 0):
+        self.args = args
+        self.rank = rank
+        self.distributed = world_size > 1
+        self.device = torch.device("cpu")
+        # 1. layout
+        self.dims: ParallelDims = parallel_dims(args, world_size)
+        self.meshes = self.dims.build(self.device.type)
+        self.config: GPTConfig = model_config(args)
+        self.lora: LoRAConfig | None = lora_config(args)
+        seed_everything(args.seed + 100 * self.meshes.pp_rank + 10_000 * self.meshes.dp_rank)
+        # 2. model
+        self.stage_ids = self.meshes.stage_ids()
+        self.chunks: list[GPTModel] = [self._build_chunk(sid) for sid in self.stage_ids]
+        if self.lora is not None:
+            apply_lora(self.chunks, self.lora, args.seed)
+            self._check_train_params()
+        self.named_trainable = [(n, p) for c in self.chunks for n, p in c.named_parameters() if p.requires_grad]
+        self.fsdp = args.use_distributed_optimizer and self.dims.dp > 1
+        if self.fsdp:
+            assert self.meshes.dp_mesh is not None
+            shard_for_distributed_optimizer(self.chunks, self.meshes.dp_mesh, TransformerLayer)
+            # FSDP2 replaced the parameters by sharded ones: look them up again.
+            self.named_trainable = [(n, p) for c in self.chunks for n, p in c.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_trainable]
+        # 3. optimizer + schedule
+        self.optimizer = build_optimizer(self.named_trainable, args)
+        self.scheduler = OptimizerParamScheduler(self.optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
+                                                 args.lr_decay_iters, args.lr_decay_style)
+        # 4. data + pipeline
+        self.train_data, self.eval_data = self._build_data()
+        self.sampler = GlobalBatchSampler(self.train_data, args.global_batch_size, args.seed)
+        self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dims.dp)
+        self.runner: PipelineRunner | None = None
+        if self.dims.pp > 1:
+            pp_group = self.meshes.group("pp")
+            assert pp_group is not None
+            self.runner = PipelineRunner(self.chunks, self.stage_ids, self.dims.num_stages, pp_group,
+                                         self.num_microbatches, gpt_loss, self.device)
+        self.iteration = 0
+        self.logger = MetricsLogger(args.metrics_file, args.log_interval, args.train_iters,
+                                    progress=args.progress, enabled=rank == 0)
+        self.losses: list[float] = []
+
+    # ----------------------------------------------------------------------------------------- setup
+    def _build_chunk(self, stage: int) -> GPTModel:
+        layers = stage_layer_numbers(self.config.num_layers, self.dims.num_stages, stage)
+        return GPTModel(self.config, self.meshes.tp, layers, pre_process=stage == 0,
+                        post_process=stage == self.dims.num_stages - 1, seed=self.args.seed)
+
+    def _check_train_params(self) -> None:
+        assert self.lora is not None
+        if not self.lora.train_params:
+            return
+        names = {n for c in self.chunks for n, _ in c.named_parameters()}
+        found = torch.tensor([1 if n in names else 0 for n in self.lora.train_params])
+        if self.distributed:
+            dist.all_reduce(found)
+        missing = [n for n, f in zip(self.lora.train_params, found.tolist()) if f == 0]
+        if missing:
+            raise ArgumentError(f"--lora-train-params: no parameter named {missing} in the model")
+
+    def _build_data(self) -> tuple[TokenDataset, TokenDataset | None]:
+        a = self.args
+        try:
+            return build_datasets(Path(a.data_path) if a.data_path else None, a.mock_data, a.seq_length,
+                                  a.vocab_size, a.seed, a.eval_fraction)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
+
+    # ------------------------------------------------------------------------------------- one step
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.args.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _reduce_loss(self, loss: torch.Tensor | None) -> float:
+        """Mean loss over DP, from the last pipeline stage, on every rank."""
+        value = torch.zeros((), dtype=torch.float64) if loss is None else loss.detach().double()
+        if self.distributed:
+            dist.all_reduce(value)
+            value /= self.dims.tp * self.dims.dp
+        return float(value)
+
+    def forward_backward(self, batch: torch.Tensor) -> float:
+        """Gradients of the mean loss over this rank's share of the global batch; returns the global loss."""
+        local = dp_slice(batch, self.meshes.dp_rank, self.dims.dp)
+        tokens, targets = local[:, :-1].contiguous(), local[:, 1:].contiguous()
+        with self._autocast():
+            if self.runner is not None:
+                loss = self.runner.train_step(tokens, targets)
+            else:
+                (model,) = self.chunks
+                total = torch.zeros(())
+                for tok, tgt in zip(tokens.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)):
+                    mb_loss = gpt_loss(model(tok), tgt) / self.num_microbatches
+                    mb_loss.backward()
+                    total += mb_loss.detach()
+                loss = total
+        if self.dims.dp > 1 and not self.fsdp:
+            group = self.meshes.group("dp")
+            assert group is not None
+            allreduce_gradients(self.params, group, self.dims.dp)
+        return self._reduce_loss(loss)
+
+    def train_step(self) -> tuple[float, float, float]:
+        """One optimizer step on the next global batch: (loss, lr, grad norm before clipping)."""
+        lr = self.scheduler.apply()
+        batch = self.sampler.next_global_batch()
+        loss = self.forward_backward(batch)
+        grad_norm = clip_grad_norm(self.params, self.args.clip_grad, self.dims.tp * self.dims.dp,
+                                   self.distributed)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.iteration += 1
+        return loss, lr, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over ``--eval-iters`` fixed batches of the held-out split (``None`` without one)."""
+        if self.eval_data is None or len(self.eval_data) == 0:
+            return None
+        sampler = GlobalBatchSampler(self.eval_data, self.args.global_batch_size, self.args.seed)
+        values = []
+        for _ in range(self.args.eval_iters):
+            local = dp_slice(sampler.next_global_batch(), self.meshes.dp_rank, self.dims.dp)
+            tokens, targets = local[:, :-1].contiguous(), local[:, 1:].contiguous()
+            with self._autocast():
+                if self.runner is not None:
+                    loss = self.runner.eval_step(tokens, targets)
+                else:
+                    (model,) = self.chunks
+                    loss = torch.stack([gpt_loss(model(t), g) for t, g in
+                                        zip(tokens.chunk(self.num_microbatches),
+                                            targets.chunk(self.num_microbatches))]).mean()
+            values.append(self._reduce_loss(loss))
+        return float(np.mean(values))
+
+    # ----------------------------------------------------------------------------------------- loop
+    def iterations(self) -> Iterator[tuple[int, float]]:
+        """Train until ``--train-iters``, yielding ``(iteration, loss)`` after each step."""
+        a = self.args
+        tokens_per_step = a.global_batch_size * a.seq_length
+        while self.iteration < a.train_iters:
+            t0 = time.perf_counter()
+            loss, lr, grad_norm = self.train_step()
+            dt = time.perf_counter() - t0
+            self.losses.append(loss)
+            self.logger.train(self.iteration, loss, lr, grad_norm, tokens_per_step / max(dt, 1e-9))
+            if a.eval_interval and self.iteration % a.eval_interval == 0:
+                eval_loss = self.evaluate()
+                if eval_loss is not None:
+                    self.logger.eval(self.iteration, eval_loss)
+            yield self.iteration, loss
+
+    def run(self) -> list[float]:
+        """Run the loop; returns the per-iteration losses of this run."""
+        for _ in self.iterations():
+            pass
+        return self.losses

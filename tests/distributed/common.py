@@ -1,0 +1,38 @@
+"""Helpers shared by the multi-rank tests: tiny model flags and global (canonical) views of tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from peftckpt.model.gpt import param_generator
+from peftckpt.sharding.layout import fused_layouts, to_canonical
+
+TINY = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+    "--ffn-hidden-size", "64", "--vocab-size", "128", "--seq-length", "16", "--micro-batch-size", "2",
+    "--global-batch-size", "8", "--mock-data", "--lr", "1e-2", "--lr-warmup-iters", "1", "--log-interval", "100",
+]
+
+
+def global_tensor(t: torch.Tensor, name: str, chunk: torch.nn.Module, tp_size: int) -> torch.Tensor:
+    """The canonical global value of a parameter-shaped tensor (collective for DTensors)."""
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    layout = fused_layouts(chunk).get(name)
+    if layout is not None:
+        full = to_canonical(full, layout, tp_size)
+    return full.detach().clone()
+
+
+def randomize_lora_b(trainer) -> None:  # type: ignore[no-untyped-def]
+    """Give every LoRA B a deterministic non-zero value (B = 0 at init makes A's gradient vanish)."""
+    tp = trainer.meshes.tp
+    for chunk in trainer.chunks:
+        for name, p in chunk.named_parameters():
+            if name.endswith("lora_B"):
+                full = torch.randn(p.shape, generator=param_generator(7, name)) * 0.05
+                layout = fused_layouts(chunk).get(name)
+                sharded = isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+                local = tp.shard_of(full, 0 if sharded else None, layout.num_chunks if layout else 1)
+                with torch.no_grad():
+                    (p.to_local() if isinstance(p, DTensor) else p).copy_(local)

@@ -1,0 +1,85 @@
+"""Issue 2 / must show 1: every layout computes the single-process loss and gradients (fp32, rtol 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peftckpt.train.args import parse_train_args
+from peftckpt.train.trainer import Trainer
+
+from .common import TINY, global_tensor, randomize_lora_b
+from .harness import run_distributed
+
+
+def _step_and_grads(rank: int, world: int, argv: list[str], lora_b: bool) -> dict | None:
+    torch.use_deterministic_algorithms(True)
+    args = parse_train_args(argv, world)
+    t = Trainer(args, world, rank)
+    if lora_b:
+        randomize_lora_b(t)
+    loss0 = t.forward_backward(t.sampler.next_global_batch())
+    grads = {}
+    for chunk in t.chunks:
+        for name, p in chunk.named_parameters():
+            if p.requires_grad:
+                assert p.grad is not None, name
+                grads[name] = global_tensor(p.grad, name, chunk, t.dims.tp)
+    t.optimizer.zero_grad(set_to_none=True)
+    losses = [loss0] + [t.train_step()[0] for _ in range(2)]
+    if t.meshes.tp_rank != 0 or t.meshes.dp_rank != 0:
+        return None
+    return {"losses": losses, "grads": grads}
+
+
+def _merge(results: list[dict | None]) -> dict:
+    merged: dict = {"losses": None, "grads": {}}
+    for r in results:
+        if r is None:
+            continue
+        merged["losses"] = merged["losses"] or r["losses"]
+        assert r["losses"] == merged["losses"], "ranks disagree on the loss"
+        merged["grads"].update(r["grads"])
+    return merged
+
+
+_REFERENCE: dict[tuple[str, ...], dict] = {}
+
+
+def _reference(argv: list[str], lora_b: bool) -> dict:
+    key = tuple(argv) + (str(lora_b),)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _step_and_grads(0, 1, argv, lora_b)  # type: ignore[assignment]
+    return _REFERENCE[key]
+
+
+CASES = [
+    # (id, world, layout flags, model flags, lora)
+    ("tp2-swiglu", 2, ["--tensor-model-parallel-size", "2"], [], False),
+    ("tp2-gelu", 2, ["--tensor-model-parallel-size", "2"], ["--no-swiglu"], False),
+    ("pp2-swiglu", 2, ["--pipeline-model-parallel-size", "2"], [], False),
+    ("pp2-gelu", 2, ["--pipeline-model-parallel-size", "2"], ["--no-swiglu"], False),
+    ("tp2pp2-swiglu", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], [], False),
+    ("tp2pp2-gelu", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+     ["--no-swiglu"], False),
+    ("pp2-vpp2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     [], False),
+    ("dp2-distopt", 2, ["--use-distributed-optimizer"], [], False),
+    ("dp2-replicated-lora", 2, [], ["--lora-rank", "4"], True),
+    ("tp2pp2-lora-swiglu", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+     ["--lora-rank", "4"], True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_layout_matches_single_process(case) -> None:  # type: ignore[no-untyped-def]
+    _, world, layout, model, lora_b = case
+    argv = TINY + model
+    ref = _reference(argv, lora_b)
+    got = _merge(run_distributed(_step_and_grads, world, argv + layout, lora_b))
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    assert set(got["grads"]) == set(ref["grads"])
+    assert ref["grads"], "no trainable parameter"
+    for name, g in ref["grads"].items():
+        assert g.abs().sum() > 0, f"reference gradient of {name} is zero: the check would be vacuous"
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,0 +1,167 @@
+"""Manifest JSON round trip and validation; checksums; file verification for each corruption kind."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+import peftckpt
+from peftckpt.checkpoint.errors import CheckpointFormatError
+from peftckpt.checkpoint.manifest import (
+    CHECKSUM_ALGORITHM,
+    FORMAT_VERSION,
+    HASH_BLOCK_BYTES,
+    Manifest,
+    checksum_file,
+    checksum_files,
+    read_manifest,
+    verify_files,
+)
+from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
+
+
+def _manifest(**kw: object) -> Manifest:
+    base: dict[str, object] = dict(
+        format="torch_dist",
+        iteration=100,
+        sections=["model", "optimizer"],
+        layout={"tp": 2, "pp": 1, "dp": 2, "vpp": 1},
+        model_config={"hidden": 64, "layers": 2},
+        trainable_only=True,
+        saved_keys={"model.a.lora_A.weight": {"shape": [4, 64], "dtype": "float32", "requires_grad": True}},
+        excluded_keys={"model.a.weight": {"shape": [64, 64], "dtype": "bfloat16", "requires_grad": False}},
+        adapter_config={"r": 4, "alpha": 8.0},
+        base_fingerprint="sha256:abc",
+        args={"lr": 1e-3},
+    )
+    base.update(kw)
+    return Manifest(**base)  # type: ignore[arg-type]
+
+
+def _ckpt(tmp_path: Path) -> tuple[Path, Manifest]:
+    ckpt = tmp_path / "iter_0000100"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "__0_0.distcp").write_bytes(bytes(range(256)) * 10)
+    (ckpt / "sub" / "x.bin").write_bytes(b"hello")
+    (ckpt / ".metadata").write_bytes(b"md")
+    files = checksum_files([ckpt / "__0_0.distcp", Path("sub/x.bin"), ckpt / ".metadata"], ckpt)
+    manifest = _manifest(files=files)
+    (ckpt / MANIFEST_FILENAME).write_bytes(manifest.to_json())
+    return ckpt, manifest
+
+
+def test_defaults_and_round_trip(tmp_path: Path) -> None:
+    m = _manifest(files={"a": {"size": 1, "checksum": "00"}})
+    assert m.format_version == FORMAT_VERSION == 1
+    assert m.library_version == peftckpt.__version__
+    assert m.checksum_algorithm == CHECKSUM_ALGORITHM == "sha256"
+    data = m.to_json()
+    assert data == m.to_json()  # stable
+    assert list(json.loads(data)) == sorted(json.loads(data))  # sorted keys
+    assert Manifest.from_json(data, tmp_path / "m.json") == m
+    (tmp_path / MANIFEST_FILENAME).write_bytes(data)
+    assert read_manifest(tmp_path) == m
+
+
+def test_newer_format_version_error_text(tmp_path: Path) -> None:
+    raw = json.loads(_manifest().to_json())
+    raw["format_version"] = 2
+    raw["some_future_field"] = 1
+    src = tmp_path / "iter_0000100" / MANIFEST_FILENAME
+    with pytest.raises(CheckpointFormatError) as exc:
+        Manifest.from_json(json.dumps(raw).encode(), src)
+    assert str(exc.value) == (
+        f"checkpoint {src} has format version 2 but this peftckpt ({peftckpt.__version__}) reads up to 1; "
+        f"upgrade peftckpt"
+    )
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda r: r.pop("iteration"), "missing field.s. iteration"),
+        (lambda r: r.update(format="safetensors"), "unknown format 'safetensors'"),
+        (lambda r: r.update(iteration="100"), "field 'iteration' must be an int >= 0, got '100'"),
+        (lambda r: r.update(trainable_only=1), "field 'trainable_only' must be a bool"),
+        (lambda r: r.update(layout={"tp": "2"}), "field 'layout' must be an object of ints"),
+        (lambda r: r["saved_keys"].update(k={"shape": [2]}), r"saved_keys\['k'\] must be"),
+        (lambda r: r.update(files={"a": {"size": -1, "checksum": "x"}}), r"files\['a'\] must be"),
+        (lambda r: r.update(files={"../a": {"size": 1, "checksum": "x"}}), "must be a relative path"),
+    ],
+)
+def test_malformed_fields_are_named(tmp_path: Path, mutate: object, expected: str) -> None:
+    raw = json.loads(_manifest().to_json())
+    mutate(raw)  # type: ignore[operator]
+    with pytest.raises(
+        CheckpointFormatError, match=f"manifest {tmp_path / 'm.json'} is malformed: .*{expected}"
+    ):
+        Manifest.from_json(json.dumps(raw).encode(), tmp_path / "m.json")
+
+
+def test_bad_json_and_missing_manifest(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointFormatError, match=f"manifest {tmp_path / 'm.json'} is not valid JSON"):
+        Manifest.from_json(b"{not json", tmp_path / "m.json")
+    with pytest.raises(CheckpointFormatError, match="must hold a JSON object, got list"):
+        Manifest.from_json(b"[]", tmp_path / "m.json")
+    with pytest.raises(CheckpointFormatError, match=f"{tmp_path} is not a committed peftckpt checkpoint"):
+        read_manifest(tmp_path)
+
+
+def test_checksum_matches_hashlib_across_blocks(tmp_path: Path) -> None:
+    data = bytes(range(256)) * (HASH_BLOCK_BYTES // 256) + b"tail"  # spans two blocks
+    f = tmp_path / "big"
+    f.write_bytes(data)
+    assert checksum_file(f) == hashlib.sha256(data).hexdigest()
+    assert checksum_files([f], tmp_path) == {
+        "big": {"size": len(data), "checksum": hashlib.sha256(data).hexdigest()}
+    }
+    assert checksum_files([], tmp_path) == {}
+
+
+def test_intact_checkpoint_verifies(tmp_path: Path) -> None:
+    ckpt, manifest = _ckpt(tmp_path)
+    assert sorted(manifest.files) == [".metadata", "__0_0.distcp", "sub/x.bin"]
+    assert verify_files(ckpt, manifest) == []
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    ckpt, manifest = _ckpt(tmp_path)
+    (ckpt / "__0_0.distcp").write_bytes(b"short")
+    assert verify_files(ckpt, manifest) == [
+        f"{ckpt / '__0_0.distcp'}: size mismatch (truncated): expected 2560 bytes, got 5"
+    ]
+
+
+def test_extended_file(tmp_path: Path) -> None:
+    ckpt, manifest = _ckpt(tmp_path)
+    with open(ckpt / "sub" / "x.bin", "ab") as f:
+        f.write(b"!")
+    assert verify_files(ckpt, manifest) == [
+        f"{ckpt / 'sub' / 'x.bin'}: size mismatch (extended): expected 5 bytes, got 6"
+    ]
+
+
+def test_flipped_byte(tmp_path: Path) -> None:
+    ckpt, manifest = _ckpt(tmp_path)
+    path = ckpt / "__0_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[1000] ^= 0x01
+    path.write_bytes(bytes(data))
+    problems = verify_files(ckpt, manifest)
+    assert len(problems) == 1
+    assert problems[0].startswith(
+        f"{path}: sha256 checksum mismatch: expected {manifest.files['__0_0.distcp']['checksum']}"
+    )
+
+
+def test_deleted_and_extra_files(tmp_path: Path) -> None:
+    ckpt, manifest = _ckpt(tmp_path)
+    (ckpt / ".metadata").unlink()
+    (ckpt / "sub" / "stray.tmp").write_bytes(b"?")
+    assert verify_files(ckpt, manifest) == [
+        f"{ckpt / '.metadata'}: missing (expected 2 bytes)",
+        f"{ckpt / 'sub' / 'stray.tmp'}: unexpected file, not listed in the manifest",
+    ]
