@@ -283,8 +283,11 @@ def _files_on_disk(root: Path) -> set[str]:
     return found
 
 
-def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> list[str]:
+def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, shard: tuple[int, int] | None = None) -> list[str]:
     """Check the files of ``ckpt_dir`` against ``manifest.files``; one message per bad file.
+
+    ``shard=(i, n)`` checks only every n-th recorded file starting at i (so n ranks split the work) and
+    reports unlisted files only for ``i == 0``.
 
     Reported: a recorded file that is missing, a size mismatch (truncated or extended, expected vs got),
     a checksum mismatch, and a file on disk the manifest does not list (the manifest itself excepted).
@@ -297,7 +300,9 @@ def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> list[s
         return [f"{root}: manifest uses checksum algorithm {manifest.checksum_algorithm!r}, unknown here"]
     problems: dict[str, str] = {}
     to_hash = []
-    for rel, rec in sorted(manifest.files.items()):
+    for pos, (rel, rec) in enumerate(sorted(manifest.files.items())):
+        if shard is not None and pos % shard[1] != shard[0]:
+            continue
         path = root / rel
         try:
             size = path.stat().st_size
@@ -317,6 +322,7 @@ def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> list[s
                 f"{root / rel}: {manifest.checksum_algorithm} checksum mismatch: expected {expected}, "
                 f"got {got[rel]['checksum']}"
             )
-    for rel in sorted(_files_on_disk(root) - manifest.files.keys() - {MANIFEST_FILENAME}):
+    unlisted = set() if shard is not None and shard[0] != 0 else _files_on_disk(root)
+    for rel in sorted(unlisted - manifest.files.keys() - {MANIFEST_FILENAME}):
         problems[rel] = f"{root / rel}: unexpected file, not listed in the manifest"
     return [problems[rel] for rel in sorted(problems)]

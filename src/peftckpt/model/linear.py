@@ -36,7 +36,8 @@ class ParallelLinear(nn.Module):
         self.out_features, self.in_features = full_weight.shape
         self.num_chunks = num_chunks
         self.weight = tp.make_param(full_weight, shard_dim, num_chunks)
-        if num_chunks > 1:
+        # Only a TP split interleaves the blocks; at TP = 1 the tensor already is [gate; up].
+        if num_chunks > 1 and tp.size > 1:
             declare_fused(self, "weight", FusedChunks(dim=shard_dim, num_chunks=num_chunks))
         self.lora_A = None
         self.lora_B = None
@@ -57,7 +58,7 @@ class ParallelLinear(nn.Module):
         full_b = torch.zeros(self.out_features, rank)
         self.lora_A = self.tp.make_param(full_a, self._a_shard_dim)
         self.lora_B = self.tp.make_param(full_b, self._b_shard_dim, self.num_chunks if self._b_shard_dim == 0 else 1)
-        if self.num_chunks > 1 and self._b_shard_dim == 0:
+        if self.num_chunks > 1 and self._b_shard_dim == 0 and self.tp.size > 1:
             declare_fused(self, "lora_B", FusedChunks(dim=0, num_chunks=self.num_chunks))
         self.lora_scaling = alpha / rank
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()

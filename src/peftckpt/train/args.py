@@ -158,6 +158,15 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         dims = parallel_dims(args, world_size)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+    if args.lora_rank <= 0:
+        given = [flag for flag, value in (
+            ("--lora-alpha", args.lora_alpha), ("--lora-layers", args.lora_layers),
+            ("--lora-train-params", args.lora_train_params or None), ("--lora-dropout", args.lora_dropout or None),
+            ("--lora-target-modules",
+             None if list(args.lora_target_modules) == list(LORA_TARGETS) else args.lora_target_modules),
+        ) if value is not None]
+        if given:
+            raise ArgumentError(f"{', '.join(given)} need --lora-rank > 0 (LoRA is off at --lora-rank 0)")
     tp, pp = dims.tp, dims.pp
     if cfg.num_layers % dims.num_stages:
         raise ArgumentError(

@@ -1,15 +1,160 @@
-"""Trainer <-> checkpoint library glue: the checkpoint flags and their validation."""
+"""Trainer <-> checkpoint library glue: flags, restore at start, periodic saves, format conversion."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["add_checkpoint_args", "validate_checkpoint_args"]
+from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
+from ..checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from ..checkpoint.sections import DATA, ITERATION, OPT_PARAM_SCHEDULER
+from ..checkpoint.strictness import StrictHandling
+from ..checkpoint.trainable import TORCH, TORCH_DIST
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+__all__ = ["add_checkpoint_args", "validate_checkpoint_args", "TrainerCheckpointing"]
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """Checkpoint flags (Megatron-LM names)."""
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    g.add_argument("--load", default=None, help="resume from the newest committed checkpoint of this directory")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="full torch_dist checkpoint holding the base weights, loaded (model only) before --load")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights from --load and start at iteration 0")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG state")
+    g.add_argument("--no-save-optim", action="store_true", help="do not save the optimizer state")
+    g.add_argument("--no-save-rng", action="store_true", help="do not save the RNG state")
+    g.add_argument("--ckpt-format", choices=[TORCH_DIST, TORCH], default=TORCH_DIST)
+    g.add_argument("--ckpt-convert-format", choices=[TORCH_DIST, TORCH], default=None,
+                   help="load --load, save it in this format to --ckpt-convert-save, then exit")
+    g.add_argument("--ckpt-convert-save", default=None)
+    g.add_argument("--dist-ckpt-strictness", choices=[m.value for m in StrictHandling],
+                   default=StrictHandling.ASSUME_OK_UNEXPECTED.value)
+    g.add_argument("--save-trainable-params-only", action="store_true",
+                   help="save only parameters with requires_grad (the adapters) and their optimizer state")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="fail if --load holds no checkpoint instead of starting from scratch")
+    g.add_argument("--no-verify-base", action="store_true",
+                   help="load an adapter even if the base fingerprint differs from the one it was trained on")
+    g.add_argument("--no-verify-checksums", action="store_true",
+                   help="skip re-reading every checkpoint file to check its checksum before loading")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, if --save is set) when the iteration is a multiple of N")
+    g.add_argument("--keep-last-k", type=int, default=None, help="keep only the newest K checkpoints in --save")
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
     """Refuse checkpoint flag combinations that cannot work."""
+    from .args import ArgumentError
+
+    if args.save_trainable_params_only and args.ckpt_format != TORCH_DIST:
+        raise ArgumentError("--save-trainable-params-only needs --ckpt-format torch_dist (the legacy torch format "
+                            "detaches tensors, losing requires_grad)")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        raise ArgumentError("--save-interval needs --save and a value >= 1")
+    if args.ckpt_convert_format and not (args.load and args.ckpt_convert_save):
+        raise ArgumentError("--ckpt-convert-format needs --load and --ckpt-convert-save")
+    if args.ckpt_convert_save and not args.ckpt_convert_format:
+        raise ArgumentError("--ckpt-convert-save needs --ckpt-convert-format")
+    if args.exit_on_missing_checkpoint and not args.load:
+        raise ArgumentError("--exit-on-missing-checkpoint needs --load")
+    if args.finetune and not args.load:
+        raise ArgumentError("--finetune needs --load")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ArgumentError(f"--exit-interval must be >= 1, got {args.exit_interval}")
+    if args.keep_last_k is not None and args.keep_last_k < 1:
+        raise ArgumentError(f"--keep-last-k must be >= 1, got {args.keep_last_k}")
+
+
+class TrainerCheckpointing:
+    """Restores a trainer at start and saves it during training, per the checkpoint flags."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.args = trainer.args
+        m = trainer.meshes
+        self.ckpt = Checkpointer(
+            trainer.chunks, trainer.optimizer, layout=trainer.dims.to_dict(),
+            coords={"tp": m.tp_rank, "pp": m.pp_rank, "dp": m.dp_rank}, model_config=trainer.config.to_dict(),
+            adapter_config=None if trainer.lora is None else trainer.lora.to_dict(),
+        )
+        self.last_saved: int | None = None
+
+    def _load_options(self, model_only: bool = False) -> LoadOptions:
+        a = self.args
+        return LoadOptions(load_optim=not (a.no_load_optim or a.finetune or model_only),
+                           load_rng=not (a.no_load_rng or a.finetune or model_only),
+                           strictness=StrictHandling(a.dist_ckpt_strictness),
+                           verify_checksums=not a.no_verify_checksums, verify_base=not a.no_verify_base,
+                           objects=() if model_only else (ITERATION, OPT_PARAM_SCHEDULER, DATA))
+
+    def restore(self) -> None:
+        """``--pretrained-checkpoint`` (model only), then ``--load`` (everything the flags allow)."""
+        a, t = self.args, self.trainer
+        if a.pretrained_checkpoint:
+            res = self.ckpt.load_pretrained(a.pretrained_checkpoint, self._load_options(model_only=True))
+            t.logger.info(f"loaded base weights from {res.path} ({len(res.report.unexpected)} new trainable "
+                          "tensors keep their initialisation)")
+        if not a.load:
+            return
+        try:
+            res = self.ckpt.load(a.load, self._load_options(), model_only=a.finetune)
+        except CheckpointNotFoundError as e:
+            if a.exit_on_missing_checkpoint:
+                raise CheckpointError(f"--exit-on-missing-checkpoint: {e}") from None
+            t.logger.info(f"no checkpoint in --load {a.load}; starting from scratch")
+            return
+        if a.finetune:
+            t.logger.info(f"--finetune: loaded model weights from {res.path}; starting at iteration 0")
+            return
+        objs = res.objects
+        t.iteration = int(objs.get(ITERATION, res.iteration))
+        if OPT_PARAM_SCHEDULER in objs:
+            t.scheduler.load_state_dict(objs[OPT_PARAM_SCHEDULER])
+        else:
+            t.scheduler.num_steps = t.iteration
+        if DATA in objs:
+            t.sampler.load_state_dict(objs[DATA])
+        else:
+            t.sampler.consumed_samples = t.iteration * a.global_batch_size
+        if not res.rng_restored:
+            t.reseed(t.iteration)
+        t.logger.info(f"resumed from {res.path} at iteration {t.iteration}")
+
+    def objects(self) -> dict[str, Any]:
+        t = self.trainer
+        return {ITERATION: t.iteration, OPT_PARAM_SCHEDULER: t.scheduler.state_dict(), DATA: t.sampler.state_dict()}
+
+    def save(self, save_dir: str | None = None, ckpt_format: str | None = None) -> None:
+        a, t = self.args, self.trainer
+        target = save_dir or a.save
+        assert target is not None
+        options = SaveOptions(ckpt_format=ckpt_format or a.ckpt_format, trainable_only=a.save_trainable_params_only,
+                              save_optim=not a.no_save_optim, save_rng=not a.no_save_rng, keep_last_k=a.keep_last_k)
+        path = self.ckpt.save(target, t.iteration, self.objects(), options, args=_json_args(a))
+        self.last_saved = t.iteration
+        t.logger.info(f"saved checkpoint {path}")
+
+    def maybe_save(self) -> None:
+        a = self.args
+        if a.save and a.save_interval and self.trainer.iteration % a.save_interval == 0:
+            self.save()
+
+    def finish(self) -> None:
+        if self.args.save and self.last_saved != self.trainer.iteration:
+            self.save()
+
+    def convert(self) -> None:
+        """``--ckpt-convert-format``: re-save what ``--load`` restored in the other format."""
+        self.save(self.args.ckpt_convert_save, self.args.ckpt_convert_format)
+
+
+def _json_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | list | type(None))}

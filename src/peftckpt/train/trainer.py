@@ -67,7 +67,7 @@ class Trainer:
         self.meshes = self.dims.build(self.device.type)
         self.config: GPTConfig = model_config(args)
         self.lora: LoRAConfig | None = lora_config(args)
-        seed_everything(args.seed + 100 * self.meshes.pp_rank + 10_000 * self.meshes.dp_rank)
+        self.reseed(0)
         # 2. model
         self.stage_ids = self.meshes.stage_ids()
         self.chunks: list[GPTModel] = [self._build_chunk(sid) for sid in self.stage_ids]
@@ -102,6 +102,11 @@ class Trainer:
         self.losses: list[float] = []
 
     # ----------------------------------------------------------------------------------------- setup
+    def reseed(self, iteration: int) -> None:
+        """Deterministic per-rank RNG seeds (equal across TP ranks, which must draw the same dropout masks)."""
+        seed_everything(self.args.seed + 100 * self.meshes.pp_rank + 10_000 * self.meshes.dp_rank
+                        + 1_000_003 * iteration)
+
     def _build_chunk(self, stage: int) -> GPTModel:
         layers = stage_layer_numbers(self.config.num_layers, self.dims.num_stages, stage)
         return GPTModel(self.config, self.meshes.tp, layers, pre_process=stage == 0,
@@ -214,7 +219,18 @@ class Trainer:
             yield self.iteration, loss
 
     def run(self) -> list[float]:
-        """Run the loop; returns the per-iteration losses of this run."""
-        for _ in self.iterations():
-            pass
+        """Restore (``--pretrained-checkpoint``, ``--load``), train with periodic saves, save at the end;
+        or only convert a checkpoint (``--ckpt-convert-format``). Returns this run's per-iteration losses."""
+        from .checkpointing import TrainerCheckpointing
+
+        ckpt = TrainerCheckpointing(self)
+        ckpt.restore()
+        if self.args.ckpt_convert_format:
+            ckpt.convert()
+            return []
+        for iteration, _ in self.iterations():
+            ckpt.maybe_save()
+            if self.args.exit_interval and iteration % self.args.exit_interval == 0:
+                break
+        ckpt.finish()
         return self.losses

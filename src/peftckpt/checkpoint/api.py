@@ -1,0 +1,411 @@
+"""Save and load checkpoints of any ``nn.Module`` chunks + optimizer, in ``torch_dist`` or legacy ``torch``.
+
+The public surface is :class:`Checkpointer` (``save`` / ``load`` / ``load_pretrained``). It works with plain
+modules, DTensor-TP modules, FSDP2-sharded modules and pipeline chunks; it knows nothing about the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from ..sharding.entries import GlobalTensor
+from . import legacy
+from .errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointMismatchError
+from .fingerprint import base_fingerprint
+from .planners import EntryLoadPlanner, EntrySavePlanner
+from .manifest import Manifest, checksum_files, read_manifest, verify_files
+from .safe_pickle import SafeFileSystemReader
+from .sections import (
+    CHECKPOINT_VERSION, CHECKPOINT_VERSION_VALUE, MODEL, OPTIMIZER, RNG_STATE, apply_param_groups, dcp_key,
+    model_entries, model_section_names, optimizer_entries, restore_rng, rng_entry, tensor_records,
+)
+from .storage_layout import (
+    apply_retention, clean_stale_staging, commit_staging, new_staging_dir, resolve_checkpoint_dir,
+)
+from .strictness import KeyReport, StrictHandling, check_keys
+from .trainable import TORCH, TORCH_DIST, filter_trainable
+
+__all__ = ["Checkpointer", "SaveOptions", "LoadOptions", "LoadResult"]
+
+
+@dataclass
+class SaveOptions:
+    ckpt_format: str = TORCH_DIST
+    trainable_only: bool = False
+    save_optim: bool = True
+    save_rng: bool = True
+    keep_last_k: int | None = None
+
+
+@dataclass
+class LoadOptions:
+    load_optim: bool = True
+    load_rng: bool = True
+    strictness: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED
+    verify_checksums: bool = True
+    verify_base: bool = True
+    objects: Sequence[str] = ()
+    """Names of object sections to read back (iteration, opt_param_scheduler, ...)."""
+
+
+@dataclass
+class LoadResult:
+    path: Path
+    iteration: int
+    manifest: Manifest
+    objects: dict[str, Any] = field(default_factory=dict)
+    report: KeyReport = field(default_factory=KeyReport)
+    rng_restored: bool = False
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """DCP wraps per-rank failures in ``CheckpointException`` (a ``BaseException``)."""
+    if isinstance(e, CheckpointException):
+        for failure in e.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                return inner
+    return e
+
+
+class Checkpointer:
+    """Checkpoints of this rank's model ``chunks`` (one per virtual pipeline stage) and ``optimizer``.
+
+    ``layout`` (``tp``, ``pp``, ``dp``, ``vpp``) and ``coords`` (this rank's ``tp``/``pp``/``dp`` ranks) are
+    recorded in the manifest and decide whether per-rank RNG state can be restored. All methods are
+    collective when ``torch.distributed`` is initialised.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None, *,
+                 layout: Mapping[str, int], coords: Mapping[str, int], model_config: Mapping[str, Any],
+                 adapter_config: Mapping[str, Any] | None = None):
+        self.chunks = list(chunks)
+        self.optimizer = optimizer
+        self.layout = dict(layout)
+        self.coords = dict(coords)
+        self.model_config = dict(model_config)
+        self.adapter_config = None if adapter_config is None else dict(adapter_config)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self._fingerprint: str | None = None
+
+    # -------------------------------------------------------------------------------- collectives
+    def _gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Raise the same error on every rank if any rank failed (never leaves a rank waiting)."""
+        errors = self._gather(None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            rank, message = failed[0]
+            raise CheckpointError(f"rank {rank} failed: {message}")
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    # ----------------------------------------------------------------------------------- content
+    def model_sections(self) -> dict[str, dict[str, Any]]:
+        return {name: model_entries(c) for name, c in zip(model_section_names(len(self.chunks)), self.chunks)}
+
+    def fingerprint(self) -> str:
+        """Layout-independent fingerprint of the frozen model tensors; computed once, then cached."""
+        if self._fingerprint is None:
+            frozen = {dcp_key(s, k): v for s, sec in self.model_sections().items() for k, v in sec.items()
+                      if isinstance(v, GlobalTensor) and not v.requires_grad}
+            self._fingerprint = base_fingerprint(frozen, self.distributed)
+        return self._fingerprint
+
+    def _state(self, trainable_only: bool, ckpt_format: str, with_optim: bool,
+               objects: Mapping[str, Any], with_rng: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The flat ``{storage key: entry}`` of this rank, plus records of kept and excluded model tensors."""
+        flat: dict[str, Any] = {}
+        excluded: dict[str, Any] = {}
+        for section, entries in self.model_sections().items():
+            if trainable_only:
+                entries, frozen = filter_trainable(entries, ckpt_format)
+                excluded.update(tensor_records({dcp_key(section, k): v for k, v in frozen.items()}))
+            for k, v in entries.items():
+                flat[dcp_key(section, k)] = v
+        kept = tensor_records({k: v for k, v in flat.items() if k.startswith(MODEL + ".")})
+        if with_optim and self.optimizer is not None:
+            for k, v in optimizer_entries(self.optimizer, self.chunks).items():
+                flat[dcp_key(OPTIMIZER, k)] = v
+        for name, value in objects.items():
+            flat[name] = value
+        flat[CHECKPOINT_VERSION] = CHECKPOINT_VERSION_VALUE
+        if with_rng:
+            flat[f"{RNG_STATE}.{self.rank}"] = rng_entry()
+        return flat, kept, excluded
+
+    # -------------------------------------------------------------------------------------- save
+    def save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
+             options: SaveOptions | None = None, args: Mapping[str, Any] | None = None) -> Path:
+        """Write a committed checkpoint ``<save_dir>/iter_XXXXXXX`` and move the tracker to it.
+
+        Steps:
+            1. Build this rank's entries; with ``trainable_only`` filter the model sections (this refuses a
+               non-``torch_dist`` format before anything is written).
+            2. Rank 0 removes stale staging directories; all ranks agree on a fresh staging directory.
+            3. Every rank writes its shards into staging (DCP, or one legacy file per model-parallel rank).
+            4. Every rank checksums its own files; rank 0 gathers them with the key records.
+            5. Rank 0 writes the manifest, renames staging to ``iter_XXXXXXX`` and updates the tracker
+               (see :func:`~peftckpt.checkpoint.storage_layout.commit_staging`); then applies retention.
+        """
+        options = options or SaveOptions()
+        save = Path(save_dir)
+        # 1.
+        error: BaseException | None = None
+        try:
+            flat, kept, excluded = self._state(options.trainable_only, options.ckpt_format,
+                                               options.save_optim, objects or {}, options.save_rng)
+            fingerprint = self.fingerprint() if options.trainable_only else None
+        except CheckpointError as e:
+            error = e
+        self._agree(error)
+        # 2.
+        token = secrets.token_hex(6) if self.rank == 0 else None
+        if self.rank == 0:
+            clean_stale_staging(save)
+        if self.distributed:
+            holder = [token]
+            dist.broadcast_object_list(holder, src=0)
+            token = holder[0]
+        assert token is not None
+        staging = save / f".staging.{iteration:07d}.{token}"
+        if self.rank == 0:
+            staging = new_staging_dir(save, iteration, token)
+        self._barrier()
+        # 3.
+        written: list[Path] = []
+        try:
+            if options.ckpt_format == TORCH_DIST:
+                writer = FileSystemWriter(staging, sync_files=True, thread_count=1)
+                dcp.save(flat, storage_writer=writer, planner=EntrySavePlanner())
+                written = sorted(staging.glob(f"__{self.rank}_*"))
+            elif options.ckpt_format == TORCH:
+                written = legacy.save_rank_file(staging, self.chunks, self.optimizer, self.coords, self.layout,
+                                                flat, options.save_optim)
+            else:
+                raise CheckpointFormatError(f"--ckpt-format must be torch_dist or torch, got {options.ckpt_format!r}")
+            error = None
+        except BaseException as e:  # noqa: BLE001 - reported collectively below
+            error = _unwrap(e)
+        self._agree(error)
+        # 4.
+        records = self._gather((checksum_files(written, staging), kept, excluded))
+        # 5.
+        final = save / f"iter_{iteration:07d}"
+        try:
+            if self.rank == 0:
+                files: dict[str, Any] = {}
+                saved_keys: dict[str, Any] = {}
+                excluded_keys: dict[str, Any] = {}
+                for f, k, x in records:
+                    files.update(f)
+                    saved_keys.update(k)
+                    excluded_keys.update(x)
+                others = [p for p in staging.rglob("*") if p.is_file() and p.relative_to(staging).as_posix()
+                          not in files]
+                files.update(checksum_files(others, staging))
+                sections = list(model_section_names(len(self.chunks)))
+                if options.save_optim and self.optimizer is not None:
+                    sections.append(OPTIMIZER)
+                if options.save_rng:
+                    sections.append(RNG_STATE)
+                sections += list((objects or {}).keys())
+                manifest = Manifest(
+                    format=options.ckpt_format, iteration=iteration, sections=sections, layout=self.layout,
+                    model_config=self.model_config, trainable_only=options.trainable_only, saved_keys=saved_keys,
+                    excluded_keys=excluded_keys, adapter_config=self.adapter_config, base_fingerprint=fingerprint,
+                    files=files, args=dict(args or {}),
+                )
+                final = commit_staging(staging, save, iteration, manifest.to_json())
+                if options.keep_last_k:
+                    apply_retention(save, options.keep_last_k)
+            error = None
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        self._agree(error)
+        return final
+
+    # -------------------------------------------------------------------------------------- load
+    def _resolve(self, path: str | os.PathLike[str], verify: bool) -> tuple[Path, int, Manifest]:
+        ckpt, iteration = resolve_checkpoint_dir(path)
+        manifest = read_manifest(ckpt)
+        if verify:
+            problems = verify_files(ckpt, manifest, shard=(self.rank, self.world))
+            all_problems = [p for ps in self._gather(problems) for p in ps]
+            if all_problems:
+                raise CheckpointIntegrityError(
+                    f"checkpoint {ckpt} is damaged:\n  " + "\n  ".join(all_problems)
+                    + "\n(--no-verify-checksums skips this check)"
+                )
+        return ckpt, iteration, manifest
+
+    def _check_architecture(self, manifest: Manifest, ckpt: Path) -> None:
+        diffs = [f"  {k}: checkpoint {manifest.model_config.get(k)!r}, model {v!r}"
+                 for k, v in self.model_config.items() if k in manifest.model_config
+                 and manifest.model_config[k] != v]
+        if diffs:
+            raise CheckpointMismatchError(f"checkpoint {ckpt} was saved for a different architecture:\n"
+                                          + "\n".join(diffs) + "\nfix the model flags to match the checkpoint")
+
+    def _request(self, trainable_only: bool, with_optim: bool) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for section, entries in self.model_sections().items():
+            if trainable_only:
+                entries, _ = filter_trainable(entries, TORCH_DIST)
+            for k, v in entries.items():
+                if isinstance(v, GlobalTensor):
+                    flat[dcp_key(section, k)] = v
+        if with_optim and self.optimizer is not None:
+            for k, v in optimizer_entries(self.optimizer, self.chunks).items():
+                if isinstance(v, GlobalTensor):
+                    flat[dcp_key(OPTIMIZER, k)] = v
+        return flat
+
+    def load(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
+             model_only: bool = False) -> LoadResult:
+        """Load a committed checkpoint into the chunks (and optimizer); returns iteration, objects, report.
+
+        Steps:
+            1. Resolve the directory (tracker), read the manifest, verify checksums (split over ranks).
+            2. Check the architecture; for a trainable-only checkpoint check the base fingerprint.
+            3. Build the request -- filtered like the save for a trainable-only checkpoint -- and apply the
+               strictness mode against the checkpoint's keys.
+            4. Read (DCP resharding, or the legacy per-rank files at the same layout).
+        """
+        options = options or LoadOptions()
+        # 1.
+        ckpt, iteration, manifest = self._resolve(path, options.verify_checksums)
+        # 2.
+        self._check_architecture(manifest, ckpt)
+        if manifest.trainable_only and options.verify_base and not model_only:
+            mine = self.fingerprint()
+            if manifest.base_fingerprint and manifest.base_fingerprint != mine:
+                raise CheckpointMismatchError(
+                    f"adapter checkpoint {ckpt} was trained on a different base model:\n"
+                    f"  base fingerprint in the checkpoint: {manifest.base_fingerprint}\n"
+                    f"  base fingerprint of this model:     {mine}\n"
+                    "load the matching --pretrained-checkpoint, or pass --no-verify-base to override"
+                )
+        # 3.
+        with_optim = options.load_optim and not model_only
+        request = self._request(manifest.trainable_only, with_optim)
+        same_layout = {k: manifest.layout.get(k) for k in ("tp", "pp", "dp", "vpp")} == {
+            k: self.layout.get(k) for k in ("tp", "pp", "dp", "vpp")}
+        object_keys = [] if model_only else list(options.objects)
+        if manifest.format == TORCH:
+            return legacy.load(self, ckpt, iteration, manifest, request, options, object_keys, same_layout)
+        if manifest.format != TORCH_DIST:
+            raise CheckpointFormatError(f"{ckpt}: unknown checkpoint format {manifest.format!r}")
+        reader = SafeFileSystemReader(ckpt)
+        metadata = reader.read_metadata()
+        saved = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+        hints = {k: ("trainable now but frozen when the checkpoint was saved, so it is not in it: its value must "
+                     "come from --pretrained-checkpoint; --dist-ckpt-strictness log_unexpected keeps that value")
+                 for k in manifest.excluded_keys}
+        all_requested = None
+        if options.strictness.needs_missing:
+            all_requested = {k for keys in self._gather(sorted(request)) for k in keys}
+            saved_scope = {k for k in saved if k.startswith((MODEL + ".", OPTIMIZER + ".")) and
+                           (with_optim or not k.startswith(OPTIMIZER + "."))}
+        else:
+            saved_scope = saved
+        error: BaseException | None = None
+        report = KeyReport()
+        try:
+            report = check_keys(options.strictness, request, saved_scope if options.strictness.needs_missing
+                                else saved, self.rank, all_requested, hints, source=f"checkpoint {ckpt}")
+        except CheckpointError as e:
+            error = e
+        self._agree(error)
+        for k in report.unexpected:
+            request.pop(k, None)
+        bytes_keys = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+        wanted_objects = [k for k in object_keys if k in bytes_keys]
+        if with_optim and f"{OPTIMIZER}.param_groups" in bytes_keys:
+            wanted_objects.append(f"{OPTIMIZER}.param_groups")
+        rng_key = f"{RNG_STATE}.{self.rank}"
+        load_rng = options.load_rng and not model_only and same_layout and rng_key in bytes_keys
+        if load_rng:
+            wanted_objects.append(rng_key)
+        for k in wanted_objects:
+            request[k] = None
+        # 4.
+        try:
+            dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner())
+            error = None
+        except BaseException as e:  # noqa: BLE001
+            error = _unwrap(e)
+        self._agree(error)
+        objects = {k: request[k] for k in wanted_objects}
+        if with_optim and self.optimizer is not None and f"{OPTIMIZER}.param_groups" in objects:
+            apply_param_groups(self.optimizer, objects.pop(f"{OPTIMIZER}.param_groups"))
+        if load_rng:
+            restore_rng(objects.pop(rng_key))
+        elif options.load_rng and not model_only and not same_layout and self.rank == 0:
+            warnings.warn(f"checkpoint layout {manifest.layout} differs from this run's {self.layout}: "
+                          "RNG state is re-seeded instead of restored", stacklevel=2)
+        return LoadResult(ckpt, iteration, manifest, objects, report, rng_restored=load_rng)
+
+    def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
+        """Load the base weights (model sections only) from a full checkpoint.
+
+        Trainable parameters the base does not have (the adapters) keep their initial values; a *frozen*
+        parameter the base does not have is an error -- it would silently stay random.
+        """
+        options = options or LoadOptions()
+        ckpt, _, manifest = self._resolve(path, options.verify_checksums)
+        if manifest.trainable_only:
+            raise CheckpointFormatError(
+                f"--pretrained-checkpoint {ckpt} is an adapter-only checkpoint (saved with "
+                "--save-trainable-params-only); it holds no base weights. Pass it as --load instead")
+        self._check_architecture(manifest, ckpt)
+        if manifest.format != TORCH_DIST:
+            raise CheckpointFormatError(f"--pretrained-checkpoint {ckpt} must be torch_dist, got {manifest.format!r}")
+        reader = SafeFileSystemReader(ckpt)
+        metadata = reader.read_metadata()
+        request = self._request(False, False)
+        absent = [k for k in request if k not in metadata.state_dict_metadata]
+        frozen_absent = [k for k in absent if not request[k].requires_grad]
+        error: BaseException | None = None
+        if frozen_absent:
+            error = CheckpointMismatchError(
+                f"--pretrained-checkpoint {ckpt} lacks {len(frozen_absent)} frozen base tensor(s): "
+                + ", ".join(sorted(frozen_absent)[:10]) + ("" if len(frozen_absent) <= 10 else ", ...")
+            )
+        self._agree(error)
+        for k in absent:
+            request.pop(k)
+        try:
+            dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner())
+            error = None
+        except BaseException as e:  # noqa: BLE001
+            error = _unwrap(e)
+        self._agree(error)
+        self._fingerprint = None  # the base changed
+        return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))

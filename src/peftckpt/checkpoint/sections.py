@@ -1,0 +1,158 @@
+"""State-dict section names and how a model / optimizer becomes checkpoint entries."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..sharding.entries import GlobalTensor, global_tensor_of
+from ..sharding.layout import FusedChunks, fused_layouts
+from .errors import CheckpointError
+
+__all__ = [
+    "MODEL", "OPTIMIZER", "OPT_PARAM_SCHEDULER", "RNG_STATE", "ITERATION", "DATA", "ARGS", "CHECKPOINT_VERSION",
+    "CHECKPOINT_VERSION_VALUE", "model_section_names", "model_entries", "optimizer_entries", "ensure_optimizer_state",
+    "rng_entry", "restore_rng", "dcp_key",
+]
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+OPT_PARAM_SCHEDULER = "opt_param_scheduler"
+RNG_STATE = "rng_state"
+ITERATION = "iteration"
+DATA = "data"
+ARGS = "args"
+CHECKPOINT_VERSION = "checkpoint_version"
+CHECKPOINT_VERSION_VALUE = 3.0
+
+
+def model_section_names(num_chunks: int) -> list[str]:
+    """``["model"]``, or ``["model0", "model1", ...]`` with virtual pipeline chunks."""
+    return [MODEL] if num_chunks == 1 else [f"{MODEL}{i}" for i in range(num_chunks)]
+
+
+def dcp_key(section: str, name: str) -> str:
+    """The storage key. Every model chunk maps to ``model.<name>`` (names carry global layer numbers), so
+    keys do not depend on how layers are split into pipeline or virtual stages."""
+    if section.startswith(MODEL):
+        section = MODEL
+    return f"{section}.{name}"
+
+
+def model_entries(chunk: nn.Module) -> dict[str, Any]:
+    """``state_dict(keep_vars=True)`` of a chunk as entries: tensors -> :class:`GlobalTensor` (keeping
+    ``requires_grad`` and the canonical layout of fused parameters), other values (extra state) as is."""
+    layouts = fused_layouts(chunk)
+    out: dict[str, Any] = {}
+    for name, value in chunk.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            out[name] = global_tensor_of(value, layouts.get(name))
+        else:
+            out[name] = value
+    return out
+
+
+def _param_names(chunks: Sequence[nn.Module]) -> dict[int, tuple[str, FusedChunks | None]]:
+    names: dict[int, tuple[str, FusedChunks | None]] = {}
+    for chunk in chunks:
+        layouts = fused_layouts(chunk)
+        for name, p in chunk.named_parameters():
+            names[id(p)] = (name, layouts.get(name))
+    return names
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW state (zeros, ``step = 0``) for parameters that have none yet, exactly as the
+    first ``step()`` would, so a checkpoint taken before the first step has every entry to save and load."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        missing = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+        if missing:
+            raise CheckpointError(
+                f"{type(optimizer).__name__} has no state yet for {len(missing)} parameters and peftckpt only "
+                "knows how to create Adam/AdamW state; take one optimizer step before saving"
+            )
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            state: dict[str, Any] = {
+                "step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+
+
+def optimizer_entries(optimizer: torch.optim.Optimizer, chunks: Sequence[nn.Module]) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name (``state.<param>.<exp_avg|exp_avg_sq|step>``), so it reshards
+    with its parameter; hyper-parameters of the groups as one object (``param_groups``)."""
+    ensure_optimizer_state(optimizer)
+    names = _param_names(chunks)
+    out: dict[str, Any] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        hyper["param_names"] = [names[id(p)][0] for p in group["params"]]
+        groups.append(hyper)
+        for p in group["params"]:
+            name, fused = names[id(p)]
+            for stat, value in optimizer.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    fused_here = fused if value.shape == p.shape else None
+                    out[f"state.{name}.{stat}"] = global_tensor_of(value, fused_here, requires_grad=False)
+                else:
+                    out[f"state.{name}.{stat}"] = value
+    out["param_groups"] = groups
+    return out
+
+
+def apply_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
+    """Restore the hyper-parameters (lr, betas, ...) of groups saved by :func:`optimizer_entries`."""
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint has {len(saved)} optimizer param groups, the optimizer has "
+                              f"{len(optimizer.param_groups)}; pass --no-load-optim to start a fresh optimizer")
+    for group, hyper in zip(optimizer.param_groups, saved):
+        for k, v in hyper.items():
+            if k != "param_names":
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
+def rng_entry() -> dict[str, Any]:
+    """This rank's RNG states as weights-only-loadable values (python, numpy, torch CPU, CUDA if present)."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    entry: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        entry["cuda"] = torch.cuda.get_rng_state_all()
+    return entry
+
+
+def restore_rng(entry: dict[str, Any]) -> None:
+    py = entry["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = entry["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(entry["torch"])
+    if "cuda" in entry and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(entry["cuda"])
+
+
+def tensor_records(entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{key: {shape, dtype, requires_grad}}`` of the tensor entries (for the manifest)."""
+    return {
+        k: {"shape": list(v.global_shape), "dtype": str(v.dtype).removeprefix("torch."),
+            "requires_grad": v.requires_grad}
+        for k, v in entries.items() if isinstance(v, GlobalTensor)
+    }

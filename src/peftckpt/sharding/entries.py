@@ -1,0 +1,115 @@
+"""Checkpoint entries: a rank's pieces of one global tensor, and how to build them from parameters.
+
+:class:`GlobalTensor` is the one tensor leaf the checkpoint library hands to
+``torch.distributed.checkpoint``. It implements DCP's checkpointable protocol
+(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), so DCP's default
+planners save, dedupe and reshard it like a DTensor -- but a rank may hold several non-contiguous
+pieces (a fused ``[gate; up]`` shard is two pieces of the canonical global tensor).
+Pieces are views of the live tensors: a load writes straight into the model and optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .layout import FusedChunks
+
+__all__ = ["Piece", "GlobalTensor", "global_tensor_of"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A local tensor (a view into live storage) and its offset in the global tensor."""
+
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+class GlobalTensor:
+    """This rank's pieces of one global tensor (possibly none, e.g. on a rank without it)."""
+
+    def __init__(self, global_shape: Sequence[int], dtype: torch.dtype, pieces: Sequence[Piece],
+                 requires_grad: bool = False, replicated: bool = False):
+        self.global_shape = torch.Size(global_shape)
+        self.dtype = dtype
+        self.pieces = list(pieces)
+        self.requires_grad = requires_grad
+        self.replicated = replicated
+        """Every rank holding it holds the whole tensor (written once, by DCP's dedup)."""
+
+    # DCP's load planner compares this with the saved global size.
+    def size(self) -> torch.Size:
+        return self.global_shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.global_shape.numel() * self.dtype.itemsize
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(p.offsets), i),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape),
+                    properties=TensorProperties.create_from_tensor(p.tensor),
+                    size=self.global_shape,
+                ),
+            )
+            for i, p in enumerate(self.pieces)
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape) for p in self.pieces]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if index.index is not None and index.index < len(self.pieces):
+            p = self.pieces[index.index]
+            if index.offset is None or torch.Size(p.offsets) == index.offset:
+                return p.tensor
+        for p in self.pieces:
+            if index.offset is None or torch.Size(p.offsets) == index.offset:
+                return p.tensor
+        raise ValueError(f"{index.fqn}: this rank holds no piece at offset {index.offset}")
+
+    def __repr__(self) -> str:
+        return (f"GlobalTensor(shape={list(self.global_shape)}, dtype={self.dtype}, pieces={len(self.pieces)}, "
+                f"requires_grad={self.requires_grad})")
+
+
+def _local_view(t: torch.Tensor) -> torch.Tensor:
+    return (t._local_tensor if isinstance(t, DTensor) else t).detach()  # shares storage with the live tensor
+
+
+def global_tensor_of(t: torch.Tensor, fused: FusedChunks | None = None,
+                     requires_grad: bool | None = None) -> GlobalTensor:
+    """Describe a plain tensor (replicated), a DTensor (its shard), or a block-wise TP-sharded fused
+    parameter (see :mod:`peftckpt.sharding.layout`) as a :class:`GlobalTensor` in canonical layout."""
+    rg = bool(t.requires_grad if requires_grad is None else requires_grad)
+    if not isinstance(t, DTensor):
+        return GlobalTensor(t.shape, t.dtype, [Piece((0,) * t.ndim, _local_view(t))], rg, replicated=True)
+    if any(p.is_partial() for p in t.placements):
+        raise ValueError("cannot checkpoint a DTensor with Partial placement")
+    local = _local_view(t)
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    replicated = not any(isinstance(p, Shard) for p in t.placements)
+    if fused is None or fused.num_chunks == 1 or replicated:
+        return GlobalTensor(t.shape, t.dtype, [Piece(tuple(offsets), local)], rg, replicated)
+    # Interleaved global offset `off` of a local block [c_0 | c_1 | ...] along `dim` maps to
+    # canonical offset c * (G / k) + off / k for its c-th piece.
+    k, dim = fused.num_chunks, fused.dim
+    total = t.shape[dim]
+    pieces = []
+    for c, piece in enumerate(local.chunk(k, dim=dim)):
+        off = list(offsets)
+        off[dim] = c * (total // k) + offsets[dim] // k
+        pieces.append(Piece(tuple(off), piece))
+    return GlobalTensor(t.shape, t.dtype, pieces, rg, replicated=False)

@@ -1,0 +1,150 @@
+"""Unit tests for ``peftckpt train`` flag validation, the CLI's exit code 2, and the pinned CLI help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from peftckpt.train.args import ArgumentError, parse_train_args
+
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "64",
+         "--seq-length", "16"]
+BASE = [*MODEL, "--mock-data"]
+
+
+def _parse(extra: list[str], world_size: int = 1, base: list[str] = BASE):
+    return parse_train_args([*base, *extra], world_size)
+
+
+def _refused(extra: list[str], world_size: int = 1, base: list[str] = BASE) -> str:
+    with pytest.raises(ArgumentError) as info:
+        _parse(extra, world_size, base)
+    return str(info.value)
+
+
+def test_valid_layout_parses_and_fills_defaults() -> None:
+    args = _parse(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--lora-rank", "4"], world_size=8)
+    assert args.max_position_embeddings == 16  # default: --seq-length
+    assert args.lr_decay_iters == args.train_iters == 20
+    assert args.lora_rank == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "world_size", "expected"),
+    [
+        pytest.param(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6,
+                     "world size 6 is not divisible by --tensor-model-parallel-size (2) x "
+                     "--pipeline-model-parallel-size (2); launch a multiple of 4 processes", id="world-vs-tp-pp"),
+        pytest.param(["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
+                     "--num-layers (3) must be divisible by --pipeline-model-parallel-size (2)", id="layers-vs-pp"),
+        pytest.param(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+                     "--num-layers (4) must be divisible by --pipeline-model-parallel-size (2) x "
+                     "--num-layers-per-virtual-pipeline-stage (3)", id="layers-vs-pp-vpp"),
+        pytest.param(["--num-layers-per-virtual-pipeline-stage", "1"], 1,
+                     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2",
+                     id="vpp-without-pp"),
+        pytest.param(["--hidden-size", "48", "--num-attention-heads", "6", "--num-query-groups", "2",
+                      "--tensor-model-parallel-size", "4"], 4,
+                     "--num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)",
+                     id="heads-vs-tp"),
+        pytest.param(["--num-query-groups", "1", "--tensor-model-parallel-size", "2"], 2,
+                     "--num-query-groups (1) must be divisible by --tensor-model-parallel-size (2)",
+                     id="groups-vs-tp"),
+        pytest.param(["--ffn-hidden-size", "33", "--tensor-model-parallel-size", "2"], 2,
+                     "--ffn-hidden-size (33) must be divisible by --tensor-model-parallel-size (2)", id="ffn-vs-tp"),
+        pytest.param(["--hidden-size", "30"], 1,
+                     "--hidden-size (30) must be divisible by --num-attention-heads (4)", id="hidden-vs-heads"),
+        pytest.param(["--lora-rank", "4", "--lora-target-modules", "linear_qkv", "linear_q"], 1,
+                     "--lora-target-modules: unknown target(s) ['linear_q']", id="lora-target"),
+        pytest.param(["--global-batch-size", "6", "--micro-batch-size", "4"], 1,
+                     "--global-batch-size (6) must be divisible by --micro-batch-size (4) x data-parallel size (1)",
+                     id="gbs-vs-micro"),
+        pytest.param(["--global-batch-size", "6", "--micro-batch-size", "2"], 2,
+                     "--global-batch-size (6) must be divisible by --micro-batch-size (2) x data-parallel size (2)",
+                     id="gbs-vs-micro-dp"),
+        pytest.param(["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--micro-batch-size", "2"],
+                     2, "needs at least --pipeline-model-parallel-size (2) micro-batches per step; "
+                     "--global-batch-size / (--micro-batch-size x data-parallel size) = 1", id="too-few-micro"),
+        pytest.param(["--pipeline-model-parallel-size", "2", "--no-untie-embeddings-and-output-weights"], 2,
+                     "--no-untie-embeddings-and-output-weights (tied embeddings) is not supported with "
+                     "--pipeline-model-parallel-size > 1", id="tied-with-pp"),
+        pytest.param(["--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], 4,
+                     "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported",
+                     id="distopt-with-tp"),
+        pytest.param(["--data-path", "x.jsonl"], 1, "pass exactly one of --mock-data and --data-path",
+                     id="both-data"),
+        pytest.param(["--max-position-embeddings", "8"], 1,
+                     "--seq-length (16) exceeds --max-position-embeddings (8)", id="seq-vs-max-pos"),
+    ],
+)
+def test_refused_with_flag_names(extra: list[str], world_size: int, expected: str) -> None:
+    assert expected in _refused(extra, world_size)
+
+
+def test_neither_data_source_is_refused() -> None:
+    assert _refused([], base=MODEL) == "pass exactly one of --mock-data and --data-path"
+
+
+def test_the_same_flags_pass_once_fixed() -> None:
+    """The refusals above are about the named values, not the flags themselves."""
+    _parse(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4)
+    _parse(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 2)
+    _parse(["--num-query-groups", "2", "--tensor-model-parallel-size", "2", "--ffn-hidden-size", "34"], 2)
+    _parse(["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--micro-batch-size", "2"], 2)
+    _parse(["--use-distributed-optimizer"], 2)
+    _parse(["--no-untie-embeddings-and-output-weights"], 1)
+    _parse(["--max-position-embeddings", "16"], 1)
+    _parse(["--data-path", "x.jsonl"], 1, base=MODEL)  # the file is read by the trainer, not here
+
+
+def _cli(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "peftckpt", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_cli_bad_flags_exit_2_with_one_error_line_and_write_nothing(tmp_path: Path) -> None:
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    proc = _cli("train", *BASE, "--pipeline-model-parallel-size", "2", "--metrics-file", str(metrics),
+                cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("peftckpt train: error: ")
+    assert "--pipeline-model-parallel-size (2)" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_lists_commands() -> None:
+    proc = _cli("--help")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("usage: peftckpt <command> [options]")
+    for command in ("train", "verify"):
+        assert f"\n  {command} " in proc.stdout
+    proc = _cli("frobnicate")
+    assert proc.returncode == 2
+    assert "peftckpt: unknown command 'frobnicate'" in proc.stderr
+
+
+TRAIN_FLAGS = (
+    "--num-layers --hidden-size --ffn-hidden-size --num-attention-heads --seq-length --max-position-embeddings "
+    "--micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-decay-style --lr-warmup-iters "
+    "--weight-decay --clip-grad --seed --log-interval --mock-data --data-path --tensor-model-parallel-size "
+    "--pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage --use-distributed-optimizer "
+    "--metrics-file --eval-interval --eval-iters --lora-rank"
+).split()
+
+
+def test_train_help_pins_megatron_flag_names() -> None:
+    proc = _cli("train", "--help")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("usage: peftckpt train")
+    # Every option as argparse lists it: "  --flag ..." at the start of a help line.
+    listed = {tok.rstrip(",") for line in proc.stdout.splitlines() if line.startswith("  --")
+              for tok in line.split() if tok.startswith("--")}
+    missing = [f for f in TRAIN_FLAGS if f not in listed]
+    assert not missing, f"not in `peftckpt train --help`: {missing}"
