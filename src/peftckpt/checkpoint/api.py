@@ -175,7 +175,7 @@ class Checkpointer:
                (see :func:`~peftckpt.checkpoint.storage_layout.commit_staging`); then applies retention.
         """
         options = options or SaveOptions()
-        save = Path(save_dir)
+        save = Path(save_dir).absolute()
         # 1.
         error: BaseException | None = None
         try:
@@ -186,17 +186,16 @@ class Checkpointer:
             error = e
         self._agree(error)
         # 2.
-        token = secrets.token_hex(6) if self.rank == 0 else None
+        staging_name: str | None = None
         if self.rank == 0:
             clean_stale_staging(save)
+            staging_name = str(new_staging_dir(save, iteration, secrets.token_hex(6)))
         if self.distributed:
-            holder = [token]
+            holder = [staging_name]
             dist.broadcast_object_list(holder, src=0)
-            token = holder[0]
-        assert token is not None
-        staging = save / f".staging.{iteration:07d}.{token}"
-        if self.rank == 0:
-            staging = new_staging_dir(save, iteration, token)
+            staging_name = holder[0]
+        assert staging_name is not None
+        staging = Path(staging_name)
         self._barrier()
         # 3.
         written: list[Path] = []

@@ -100,8 +100,8 @@ class TrainerCheckpointing:
         a, t = self.args, self.trainer
         if a.pretrained_checkpoint:
             res = self.ckpt.load_pretrained(a.pretrained_checkpoint, self._load_options(model_only=True))
-            t.logger.info(f"loaded base weights from {res.path} ({len(res.report.unexpected)} new trainable "
-                          "tensors keep their initialisation)")
+            t.logger.info(f"loaded base weights from {res.path} (trainable tensors it does not hold, such as "
+                          "adapters, keep their initialisation)")
         if not a.load:
             return
         try:

@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   -- tiny GPT, LoRA at TP=2 x PP=2 on CPU: base pretrain, adapter-only checkpoints, resume
+#   make test   -- the whole test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch 2.13.0 first: a CPU wheel lies on these machines; a looser pin would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[hf,test,dev]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/python scripts/demo.py
+
+test: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: venv
+	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/mypy
+
+clean:
+	rm -rf demo_out .pytest_cache
