@@ -36,3 +36,32 @@ def randomize_lora_b(trainer) -> None:  # type: ignore[no-untyped-def]
                 local = tp.shard_of(full, 0 if sharded else None, layout.num_chunks if layout else 1)
                 with torch.no_grad():
                     (p.to_local() if isinstance(p, DTensor) else p).copy_(local)
+
+
+def canonical_state(trainer) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Global canonical values of every parameter and optimizer-state tensor of this rank's chunks
+    (collective over TP/DP for DTensors): ``model.<name>`` and ``optimizer.<name>.<stat>``."""
+    out: dict[str, torch.Tensor] = {}
+    tp = trainer.dims.tp
+    for chunk in trainer.chunks:
+        for name, p in chunk.named_parameters():
+            out[f"model.{name}"] = global_tensor(p.detach(), name, chunk, tp)
+            for stat, value in trainer.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    out[f"optimizer.{name}.{stat}"] = global_tensor(value, name, chunk, tp)
+                elif isinstance(value, torch.Tensor):
+                    out[f"optimizer.{name}.{stat}"] = value.detach().clone()
+    return out
+
+
+def reports_state(trainer) -> bool:  # type: ignore[no-untyped-def]
+    """Whether this rank returns results (one rank per pipeline stage)."""
+    return trainer.meshes.tp_rank == 0 and trainer.meshes.dp_rank == 0
+
+
+def merge_states(results: list) -> dict:  # type: ignore[type-arg]
+    merged: dict = {}
+    for r in results:
+        if r:
+            merged.update(r)
+    return merged
