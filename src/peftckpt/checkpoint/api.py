@@ -24,13 +24,16 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ..sharding.entries import GlobalTensor
 from . import legacy
-from .errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointMismatchError
+from .errors import (
+    CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointMismatchError, StrictnessError,
+)
 from .fingerprint import base_fingerprint
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .manifest import Manifest, checksum_files, read_manifest, verify_files
 from .safe_pickle import SafeFileSystemReader
 from .sections import (
-    CHECKPOINT_VERSION, CHECKPOINT_VERSION_VALUE, MODEL, OPTIMIZER, RNG_STATE, apply_param_groups, dcp_key,
+    CHECKPOINT_VERSION, CHECKPOINT_VERSION_VALUE, MODEL, OPTIMIZER, PARAM_GROUPS, RNG_STATE, apply_param_groups,
+    dcp_key, merge_param_groups,
     model_entries, model_section_names, optimizer_entries, restore_rng, rng_entry, tensor_records,
 )
 from .storage_layout import (
@@ -130,13 +133,19 @@ class Checkpointer:
     def model_sections(self) -> dict[str, dict[str, Any]]:
         return {name: model_entries(c) for name, c in zip(model_section_names(len(self.chunks)), self.chunks)}
 
-    def fingerprint(self) -> str:
-        """Layout-independent fingerprint of the frozen model tensors; computed once, then cached."""
-        if self._fingerprint is None:
-            frozen = {dcp_key(s, k): v for s, sec in self.model_sections().items() for k, v in sec.items()
-                      if isinstance(v, GlobalTensor) and not v.requires_grad}
-            self._fingerprint = base_fingerprint(frozen, self.distributed)
-        return self._fingerprint
+    def fingerprint(self, keys: Sequence[str] | None = None) -> str:
+        """Layout-independent fingerprint of the frozen model tensors (or of the model tensors named by
+        ``keys``: what a checkpoint recorded as its base). The default is computed once, then cached."""
+        if keys is None and self._fingerprint is not None:
+            return self._fingerprint
+        wanted = None if keys is None else set(keys)
+        frozen = {dcp_key(s, k): v for s, sec in self.model_sections().items() for k, v in sec.items()
+                  if isinstance(v, GlobalTensor)
+                  and (not v.requires_grad if wanted is None else dcp_key(s, k) in wanted)}
+        value = base_fingerprint(frozen, self.distributed)
+        if keys is None:
+            self._fingerprint = value
+        return value
 
     def _state(self, trainable_only: bool, ckpt_format: str, with_optim: bool,
                objects: Mapping[str, Any], with_rng: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -152,7 +161,8 @@ class Checkpointer:
         kept = tensor_records({k: v for k, v in flat.items() if k.startswith(MODEL + ".")})
         if with_optim and self.optimizer is not None:
             for k, v in optimizer_entries(self.optimizer, self.chunks).items():
-                flat[dcp_key(OPTIMIZER, k)] = v
+                # Each rank's groups name only its own parameters: keep every rank's copy.
+                flat[dcp_key(OPTIMIZER, f"{k}.{self.rank}" if k == PARAM_GROUPS else k)] = v
         for name, value in objects.items():
             flat[name] = value
         flat[CHECKPOINT_VERSION] = CHECKPOINT_VERSION_VALUE
@@ -185,6 +195,11 @@ class Checkpointer:
         except CheckpointError as e:
             error = e
         self._agree(error)
+        if options.trainable_only:
+            kept_anywhere = any(self._gather(bool(kept)))
+            if not kept_anywhere and self.rank == 0:
+                warnings.warn("--save-trainable-params-only: no model parameter is trainable, so the model "
+                              "sections of this checkpoint are empty", stacklevel=2)
         # 2.
         staging_name: str | None = None
         if self.rank == 0:
@@ -303,7 +318,9 @@ class Checkpointer:
         # 2.
         self._check_architecture(manifest, ckpt)
         if manifest.trainable_only and options.verify_base and not model_only:
-            mine = self.fingerprint()
+            # Fingerprint what the checkpoint calls its base (its excluded keys), not what is frozen now: a
+            # parameter unfrozen since is reported below as an unexpected key, with its own hint.
+            mine = self.fingerprint(sorted(manifest.excluded_keys))
             if manifest.base_fingerprint and manifest.base_fingerprint != mine:
                 raise CheckpointMismatchError(
                     f"adapter checkpoint {ckpt} was trained on a different base model:\n"
@@ -346,8 +363,18 @@ class Checkpointer:
             request.pop(k, None)
         bytes_keys = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
         wanted_objects = [k for k in object_keys if k in bytes_keys]
-        if with_optim and f"{OPTIMIZER}.param_groups" in bytes_keys:
-            wanted_objects.append(f"{OPTIMIZER}.param_groups")
+        group_keys = sorted(k for k in bytes_keys if k.startswith(f"{OPTIMIZER}.{PARAM_GROUPS}."))
+        if with_optim:
+            wanted_objects += group_keys
+        # Extra state (e.g. Transformer Engine's FP8 metadata) of a full checkpoint goes back through
+        # `set_extra_state`; a trainable-only checkpoint never holds any.
+        extra: dict[str, tuple[nn.Module, str]] = {}
+        if not manifest.trainable_only:
+            for chunk in self.chunks:
+                for name, value in chunk.state_dict(keep_vars=True).items():
+                    if not isinstance(value, torch.Tensor) and dcp_key(MODEL, name) in bytes_keys:
+                        extra[dcp_key(MODEL, name)] = (chunk, name)
+        wanted_objects += list(extra)
         rng_key = f"{RNG_STATE}.{self.rank}"
         load_rng = options.load_rng and not model_only and same_layout and rng_key in bytes_keys
         if load_rng:
@@ -362,8 +389,21 @@ class Checkpointer:
             error = _unwrap(e)
         self._agree(error)
         objects = {k: request[k] for k in wanted_objects}
-        if with_optim and self.optimizer is not None and f"{OPTIMIZER}.param_groups" in objects:
-            apply_param_groups(self.optimizer, objects.pop(f"{OPTIMIZER}.param_groups"))
+        for k, (chunk, name) in extra.items():
+            chunk.load_state_dict({name: objects.pop(k)}, strict=False)
+        if with_optim and self.optimizer is not None:
+            saved_groups = merge_param_groups([objects.pop(k) for k in group_keys])
+            if not saved_groups:
+                absent = [f"{OPTIMIZER}.{PARAM_GROUPS}"]
+            else:
+                absent = [f"{OPTIMIZER}.scalar_state.{n}" for n in
+                          apply_param_groups(self.optimizer, saved_groups, self.chunks)]
+            error = None
+            if absent and not options.strictness.removes_unexpected:
+                error = StrictnessError(f"rank {self.rank}: checkpoint {ckpt} lacks the optimizer state of "
+                                        f"{len(absent)} parameter(s): {', '.join(absent[:10])}; pass "
+                                        "--no-load-optim to start a fresh optimizer")
+            self._agree(error)
         if load_rng:
             restore_rng(objects.pop(rng_key))
         elif options.load_rng and not model_only and not same_layout and self.rank == 0:

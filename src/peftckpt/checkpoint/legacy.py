@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from ..sharding.entries import GlobalTensor
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .sections import MODEL, OPTIMIZER, RNG_STATE, apply_param_groups, model_section_names, restore_rng
+from .sections import MODEL, OPTIMIZER, PARAM_GROUPS, RNG_STATE, apply_param_groups, model_section_names, restore_rng
 from .strictness import KeyReport, check_keys
 
 if TYPE_CHECKING:
@@ -108,8 +108,10 @@ def load(ckpt: Checkpointer, root: Path, iteration: int, manifest: Manifest, req
     # Model tensors were saved as the local tensor of the parameter (fused pieces concatenated in local
     # order), which is exactly the order of the pieces above.
     objects = {k: flat_saved[k] for k in object_keys if k in flat_saved}
-    if options.load_optim and ckpt.optimizer is not None and f"{OPTIMIZER}.param_groups" in flat_saved:
-        apply_param_groups(ckpt.optimizer, flat_saved[f"{OPTIMIZER}.param_groups"])
+    # The file's writer (data-parallel rank 0 of this model-parallel rank) keyed its groups by its rank.
+    group_keys = [k for k in flat_saved if k.startswith(f"{OPTIMIZER}.{PARAM_GROUPS}.")]
+    if options.load_optim and ckpt.optimizer is not None and group_keys:
+        apply_param_groups(ckpt.optimizer, flat_saved[group_keys[0]], ckpt.chunks)
     rng_key = f"{RNG_STATE}.{ckpt.rank}"
     restored = options.load_rng and same_layout and rng_key in flat_saved
     if restored:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..sharding.entries import GlobalTensor, global_tensor_of
 from ..sharding.layout import FusedChunks, fused_layouts
@@ -16,7 +17,7 @@ from .errors import CheckpointError
 
 __all__ = [
     "MODEL", "OPTIMIZER", "OPT_PARAM_SCHEDULER", "RNG_STATE", "ITERATION", "DATA", "ARGS", "CHECKPOINT_VERSION",
-    "CHECKPOINT_VERSION_VALUE", "model_section_names", "model_entries", "optimizer_entries", "ensure_optimizer_state",
+    "CHECKPOINT_VERSION_VALUE", "PARAM_GROUPS", "merge_param_groups", "apply_param_groups", "model_section_names", "model_entries", "optimizer_entries", "ensure_optimizer_state",
     "rng_entry", "restore_rng", "dcp_key",
 ]
 
@@ -28,6 +29,7 @@ ITERATION = "iteration"
 DATA = "data"
 ARGS = "args"
 CHECKPOINT_VERSION = "checkpoint_version"
+PARAM_GROUPS = "param_groups"
 CHECKPOINT_VERSION_VALUE = 3.0
 
 
@@ -92,8 +94,9 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_entries(optimizer: torch.optim.Optimizer, chunks: Sequence[nn.Module]) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name (``state.<param>.<exp_avg|exp_avg_sq|step>``), so it reshards
-    with its parameter; hyper-parameters of the groups as one object (``param_groups``)."""
+    """Optimizer state keyed by parameter name (``state.<param>.<exp_avg|exp_avg_sq>``), so it reshards with
+    its parameter; the groups' hyper-parameters and per-parameter scalar state (Adam's ``step``) as one
+    object, ``param_groups`` -- a tensor entry per scalar would cost more in storage framing than its data."""
     ensure_optimizer_state(optimizer)
     names = _param_names(chunks)
     out: dict[str, Any] = {}
@@ -101,28 +104,61 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, chunks: Sequence[nn.Modu
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
         hyper["param_names"] = [names[id(p)][0] for p in group["params"]]
-        groups.append(hyper)
+        scalars: dict[str, dict[str, float]] = {}
         for p in group["params"]:
             name, fused = names[id(p)]
             for stat, value in optimizer.state[p].items():
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor) and value.ndim == 0 and not isinstance(value, DTensor):
+                    scalars.setdefault(name, {})[stat] = float(value)
+                elif isinstance(value, torch.Tensor):
                     fused_here = fused if value.shape == p.shape else None
                     out[f"state.{name}.{stat}"] = global_tensor_of(value, fused_here, requires_grad=False)
                 else:
-                    out[f"state.{name}.{stat}"] = value
-    out["param_groups"] = groups
+                    scalars.setdefault(name, {})[stat] = value
+        hyper["scalar_state"] = scalars
+        groups.append(hyper)
+    out[PARAM_GROUPS] = groups
     return out
 
 
-def apply_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
-    """Restore the hyper-parameters (lr, betas, ...) of groups saved by :func:`optimizer_entries`."""
+def merge_param_groups(per_rank: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Union of the ``param_groups`` objects every rank saved (same hyper-parameters, own parameters)."""
+    merged: list[dict[str, Any]] = []
+    for groups in per_rank:
+        for i, group in enumerate(groups):
+            if i == len(merged):
+                merged.append({**group, "scalar_state": dict(group.get("scalar_state", {}))})
+            else:
+                merged[i]["scalar_state"].update(group.get("scalar_state", {}))
+    return merged
+
+
+def apply_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]],
+                       chunks: Sequence[nn.Module]) -> list[str]:
+    """Restore the hyper-parameters (lr, betas, ...) and scalar state (``step``) saved by
+    :func:`optimizer_entries`; returns the names of parameters whose scalar state the checkpoint lacks."""
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(f"checkpoint has {len(saved)} optimizer param groups, the optimizer has "
                               f"{len(optimizer.param_groups)}; pass --no-load-optim to start a fresh optimizer")
+    names = _param_names(chunks)
+    absent: list[str] = []
     for group, hyper in zip(optimizer.param_groups, saved):
         for k, v in hyper.items():
-            if k != "param_names":
+            if k not in ("param_names", "scalar_state"):
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+        scalars = hyper.get("scalar_state", {})
+        for p in group["params"]:
+            name = names[id(p)][0]
+            if name not in scalars:
+                absent.append(name)
+                continue
+            for stat, value in scalars[name].items():
+                current = optimizer.state[p].get(stat)
+                if isinstance(current, torch.Tensor):
+                    current.fill_(value)
+                else:
+                    optimizer.state[p][stat] = value
+    return absent
 
 
 def rng_entry() -> dict[str, Any]:

@@ -72,17 +72,20 @@ def check_keys(mode: StrictHandling, requested: Iterable[str], saved: Iterable[s
         if requested_by_all is None:
             raise ValueError(f"strictness {mode.value} needs the keys requested by all ranks")
         missing = sorted(saved_set - set(requested_by_all))
+    problems = []
     if unexpected and not mode.removes_unexpected:
-        raise StrictnessError(
+        problems.append(
             f"rank {rank}: {len(unexpected)} key(s) requested but absent from {source}:\n"
             f"{_listing(unexpected, hints)}\n"
             f"pass {STRICTNESS_FLAG} log_unexpected (or ignore_all) to skip them and keep their current values"
         )
     if missing and mode is StrictHandling.RAISE_ALL:
-        raise StrictnessError(
+        problems.append(
             f"{len(missing)} key(s) in {source} requested by no rank:\n{_listing(missing, hints)}\n"
             f"pass {STRICTNESS_FLAG} log_all (or raise_unexpected) to load without them"
         )
+    if problems:
+        raise StrictnessError("\n".join(problems))
     if mode in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and unexpected:
         warnings.warn(f"rank {rank}: skipping {len(unexpected)} key(s) absent from {source}:\n"
                       f"{_listing(unexpected, hints)}", stacklevel=2)

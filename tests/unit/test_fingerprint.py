@@ -1,0 +1,140 @@
+"""The base-model fingerprint (DESIGN.md §4.5): bit-exact, layout independent (single process)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from peftckpt.checkpoint.fingerprint import base_fingerprint
+from peftckpt.sharding.entries import GlobalTensor, Piece, global_tensor_of
+
+
+def _fp(entries: dict[str, GlobalTensor]) -> str:
+    return base_fingerprint(entries, distributed=False)
+
+
+def _whole(t: torch.Tensor) -> GlobalTensor:
+    return GlobalTensor(t.shape, t.dtype, [Piece((0,) * t.ndim, t)], replicated=True)
+
+
+def _rows(t: torch.Tensor, bounds: list[int]) -> GlobalTensor:
+    """``t`` as row pieces ``[bounds[i], bounds[i+1])``."""
+    pieces = [Piece((a,) + (0,) * (t.ndim - 1), t[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return GlobalTensor(t.shape, t.dtype, pieces)
+
+
+def _fused_tp(t: torch.Tensor, tp: int, num_chunks: int = 2) -> GlobalTensor:
+    """The pieces every TP rank holds of a fused ``[gate; up]`` tensor (canonical layout), in rank order:
+    rank r holds row block r of every chunk, i.e. the canonical offset ``c * G/k + r * G/(k*tp)``."""
+    rows = t.shape[0] // num_chunks
+    per_rank = rows // tp
+    pieces = [Piece((c * rows + r * per_rank, 0), t[c * rows + r * per_rank: c * rows + (r + 1) * per_rank])
+              for r in range(tp) for c in range(num_chunks)]
+    return GlobalTensor(t.shape, t.dtype, pieces)
+
+
+@pytest.fixture
+def weight() -> torch.Tensor:
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+
+
+def test_format_and_stability(weight: torch.Tensor) -> None:
+    fp = _fp({"model.w": _whole(weight)})
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", fp)
+    assert _fp({"model.w": _whole(weight)}) == fp
+    assert _fp({"model.w": _whole(weight.clone())}) == fp  # depends on values, not on storage
+    assert _fp({}) == _fp({})
+    assert _fp({}) != fp
+
+
+def test_split_rows_equal_one_replicated_piece(weight: torch.Tensor) -> None:
+    whole = _fp({"model.w": _whole(weight)})
+    assert _fp({"model.w": _rows(weight, [0, 3, 6])}) == whole
+    assert _fp({"model.w": _rows(weight, [0, 1, 4, 6])}) == whole  # uneven split
+    cols = GlobalTensor(weight.shape, weight.dtype, [Piece((0, 2), weight[:, 2:]), Piece((0, 0), weight[:, :2])])
+    assert not cols.pieces[0].tensor.is_contiguous()
+    assert _fp({"model.w": cols}) == whole  # column pieces, non-contiguous views, any order
+    assert _fp({"model.w": GlobalTensor(weight.shape, weight.dtype, [Piece((0, 0), weight)])}) == whole
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_fused_two_chunk_layout_equals_the_whole_tensor(weight: torch.Tensor, tp: int) -> None:
+    fused = _fused_tp(weight, tp)
+    assert len(fused.pieces) == 2 * tp
+    assert [p.offsets[0] for p in fused.pieces] == ([0, 3] if tp == 1 else [0, 3, 1, 4, 2, 5])
+    assert _fp({"model.mlp.linear_fc1.weight": fused}) == _fp({"model.mlp.linear_fc1.weight": _whole(weight)})
+    shuffled = list(fused.pieces)
+    random.Random(0).shuffle(shuffled)
+    assert _fp({"model.mlp.linear_fc1.weight": GlobalTensor(weight.shape, weight.dtype, shuffled)}) == \
+        _fp({"model.mlp.linear_fc1.weight": fused})
+
+
+def test_one_ulp_changes_it(weight: torch.Tensor) -> None:
+    base = _fp({"model.w": _rows(weight, [0, 3, 6])})
+    for index in [(0, 0), (2, 3), (5, 1)]:
+        nudged = weight.clone()
+        nudged[index] = torch.nextafter(nudged[index], torch.tensor(float("inf")))
+        assert nudged[index] != weight[index] and torch.allclose(nudged, weight, rtol=1e-6, atol=0)
+        assert _fp({"model.w": _rows(nudged, [0, 3, 6])}) != base, index
+        assert _fp({"model.w": _whole(nudged)}) != base, index
+
+
+def test_it_sees_bits_positions_shapes_and_dtypes(weight: torch.Tensor) -> None:
+    base = _fp({"model.w": _whole(weight)})
+    swapped = weight.clone()
+    swapped[0, 0], swapped[5, 3] = weight[5, 3].item(), weight[0, 0].item()
+    assert _fp({"model.w": _whole(swapped)}) != base  # same multiset of values, other positions
+    assert _fp({"model.w": _whole(weight.reshape(4, 6))}) != base  # same flat bits, other shape
+    assert _fp({"model.w": _whole(weight.view(torch.int32))}) != base  # same bits, other dtype
+    zeros = torch.zeros(4)
+    assert _fp({"b": _whole(zeros)}) != _fp({"b": _whole(-zeros)})  # -0.0 == 0.0 but not bit-identical
+
+
+def test_a_renamed_key_changes_it(weight: torch.Tensor) -> None:
+    base = _fp({"model.decoder.layers.0.mlp.linear_fc1.weight": _whole(weight)})
+    assert _fp({"model.decoder.layers.1.mlp.linear_fc1.weight": _whole(weight)}) != base
+    two = {"model.a": _whole(weight), "model.b": _whole(weight + 1)}
+    swapped_names = {"model.a": _whole(weight + 1), "model.b": _whole(weight)}
+    assert _fp(two) != _fp(swapped_names)
+    assert _fp(dict(reversed(list(two.items())))) == _fp(two)  # insertion order does not matter
+
+
+def test_flags_that_are_not_values_do_not_matter(weight: torch.Tensor) -> None:
+    base = _fp({"model.w": _whole(weight)})
+    assert _fp({"model.w": global_tensor_of(weight)}) == base
+    assert _fp({"model.w": global_tensor_of(torch.nn.Parameter(weight.clone()))}) == base  # requires_grad
+
+
+def test_bf16() -> None:
+    t = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    base = _fp({"w": _whole(t)})
+    assert _fp({"w": _rows(t, [0, 3, 6])}) == base
+    assert _fp({"w": _fused_tp(t, tp=3)}) == base
+    assert _fp({"w": _whole(t.float())}) != base  # same values, other dtype
+    nudged = t.clone()
+    nudged[4, 2] = torch.nextafter(nudged[4, 2], torch.tensor(float("inf"), dtype=torch.bfloat16))
+    assert _fp({"w": _rows(nudged, [0, 3, 6])}) != base
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_one_dimensional(dtype: torch.dtype) -> None:
+    t = torch.linspace(-3, 3, 10, dtype=dtype)
+    base = _fp({"model.norm.weight": _whole(t)})
+    assert _fp({"model.norm.weight": _rows(t, [0, 4, 10])}) == base
+    assert _fp({"model.norm.weight": _rows(t, [0, 1, 2, 7, 10])}) == base
+    nudged = t.clone()
+    nudged[9] = torch.nextafter(nudged[9], torch.tensor(-float("inf"), dtype=dtype))
+    assert _fp({"model.norm.weight": _rows(nudged, [0, 4, 10])}) != base
+    assert _fp({"model.norm.weight": _whole(t.flip(0))}) != base
+
+
+def test_zero_dim_and_empty_pieces() -> None:
+    scalar = torch.tensor(2.5)
+    assert _fp({"s": _whole(scalar)}) == _fp({"s": _whole(scalar.clone())})
+    assert _fp({"s": _whole(scalar)}) != _fp({"s": _whole(torch.tensor(2.0))})
+    t = torch.arange(8.0)
+    assert _fp({"v": _rows(t, [0, 4, 4, 8])}) == _fp({"v": _whole(t)})  # an empty piece adds nothing
+    assert _fp({"v": _rows(t, [0, 8, 8])}) == _fp({"v": _whole(t)})
