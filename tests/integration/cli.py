@@ -37,7 +37,10 @@ def peftckpt(args: list[str], nproc: int = 0, cwd: Path | None = None,
         cmd = [sys.executable, "-m", "peftckpt", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=env())
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"peftckpt-failure-{os.getpid()}-{len(args)}.log"
+        log.write_text(f"{cmd}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        raise AssertionError(f"(full output: {log}) "
+                             f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
 

@@ -25,19 +25,39 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from ..sharding.entries import GlobalTensor
 from . import legacy
 from .errors import (
-    CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointMismatchError, StrictnessError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    StrictnessError,
 )
 from .fingerprint import base_fingerprint
-from .planners import EntryLoadPlanner, EntrySavePlanner
 from .manifest import Manifest, checksum_files, read_manifest, verify_files
+from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import SafeFileSystemReader
 from .sections import (
-    CHECKPOINT_VERSION, CHECKPOINT_VERSION_VALUE, MODEL, OPTIMIZER, PARAM_GROUPS, RNG_STATE, apply_param_groups,
-    dcp_key, merge_param_groups,
-    model_entries, model_section_names, optimizer_entries, restore_rng, rng_entry, tensor_records,
+    CHECKPOINT_VERSION,
+    CHECKPOINT_VERSION_VALUE,
+    MODEL,
+    OPTIMIZER,
+    PARAM_GROUPS,
+    RNG_STATE,
+    apply_param_groups,
+    dcp_key,
+    merge_param_groups,
+    model_entries,
+    model_section_names,
+    optimizer_entries,
+    restore_rng,
+    rng_entry,
+    tensor_records,
 )
 from .storage_layout import (
-    apply_retention, clean_stale_staging, commit_staging, new_staging_dir, resolve_checkpoint_dir,
+    apply_retention,
+    clean_stale_staging,
+    commit_staging,
+    new_staging_dir,
+    resolve_checkpoint_dir,
 )
 from .strictness import KeyReport, StrictHandling, check_keys
 from .trainable import TORCH, TORCH_DIST, filter_trainable

@@ -81,8 +81,8 @@ def base_fingerprint(frozen: dict[str, GlobalTensor], distributed: bool) -> str:
     if distributed:
         shapes: list[dict[str, list[object]]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(shapes, {k: [list(e.global_shape), str(e.dtype)] for k, e in frozen.items()})
-        for s in shapes:
-            meta.update(s)
+        for rank_shapes in shapes:
+            meta.update(rank_shapes)
     else:
         meta = {k: [list(e.global_shape), str(e.dtype)] for k, e in frozen.items()}
     payload = json.dumps([[k, meta[k], int(sums[position[k]])] for k in keys]).encode()

@@ -17,7 +17,15 @@ from torch.distributed.tensor import DTensor
 
 from ..sharding.entries import GlobalTensor
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .sections import MODEL, OPTIMIZER, PARAM_GROUPS, RNG_STATE, apply_param_groups, model_section_names, restore_rng
+from .sections import (
+    MODEL,
+    OPTIMIZER,
+    PARAM_GROUPS,
+    RNG_STATE,
+    apply_param_groups,
+    model_section_names,
+    restore_rng,
+)
 from .strictness import KeyReport, check_keys
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -164,7 +164,7 @@ def apply_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, A
 def rng_entry() -> dict[str, Any]:
     """This rank's RNG states as weights-only-loadable values (python, numpy, torch CPU, CUDA if present)."""
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     entry: dict[str, Any] = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],

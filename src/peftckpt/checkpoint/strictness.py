@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from .errors import StrictnessError
 
@@ -18,7 +18,7 @@ __all__ = ["StrictHandling", "KeyReport", "check_keys", "STRICTNESS_FLAG"]
 STRICTNESS_FLAG = "--dist-ckpt-strictness"
 
 
-class StrictHandling(str, Enum):
+class StrictHandling(StrEnum):
     ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
     LOG_UNEXPECTED = "log_unexpected"
     LOG_ALL = "log_all"

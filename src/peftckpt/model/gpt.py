@@ -164,20 +164,26 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
+class WeightHolder(nn.Module):
+    """A module that only holds ``weight`` (gives Megatron's ``<name>.weight`` keys)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
 class Embedding(nn.Module):
     def __init__(self, config: GPTConfig, tp: TensorParallel, init: _Init):
         super().__init__()
-        self.word_embeddings = nn.Module()
-        self.word_embeddings.weight = tp.make_param(
+        self.word_embeddings = WeightHolder(tp.make_param(
             init.normal("embedding.word_embeddings.weight", (config.vocab_size, config.hidden_size)), None
-        )
-        self.position_embeddings: nn.Module | None = None
+        ))
+        self.position_embeddings: WeightHolder | None = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Module()
-            self.position_embeddings.weight = tp.make_param(
+            self.position_embeddings = WeightHolder(tp.make_param(
                 init.normal("embedding.position_embeddings.weight",
                             (config.max_position_embeddings, config.hidden_size)), None
-            )
+            ))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = F.embedding(tokens, local_tensor(self.word_embeddings.weight))
@@ -243,12 +249,11 @@ class GPTModel(nn.Module):
         init = _Init(config, seed)
         self.embedding = Embedding(config, tp, init) if pre_process else None
         self.decoder = Decoder(config, tp, init, self.layer_numbers, post_process)
-        self.output_layer: nn.Module | None = None
+        self.output_layer: WeightHolder | None = None
         if post_process and not tied:
-            self.output_layer = nn.Module()
-            self.output_layer.weight = tp.make_param(
+            self.output_layer = WeightHolder(tp.make_param(
                 init.normal("output_layer.weight", (config.vocab_size, config.hidden_size)), None
-            )
+            ))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embedding is not None:

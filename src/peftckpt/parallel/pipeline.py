@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 __all__ = ["PipelineRunner"]
 
@@ -41,12 +43,13 @@ class PipelineRunner:
         if len(stages) == 1:
             self.schedule = Schedule1F1B(stages[0], num_microbatches, loss_fn=loss_fn)
         else:
-            self.schedule = ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn)
+            self.schedule = ScheduleInterleaved1F1B(cast(list[_PipelineStageBase], stages), num_microbatches,
+                                                    loss_fn=loss_fn)
 
     def _run(self, tokens: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.is_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.is_last else {}
         if train:
             self.schedule.step(*args, **kwargs)
         else:
