@@ -27,15 +27,16 @@ def env() -> dict[str, str]:
     return e
 
 
-def peftckpt(args: list[str], nproc: int = 0, cwd: Path | None = None,
-             check: bool = True) -> subprocess.CompletedProcess[str]:
+def peftckpt(args: list[str], nproc: int = 0, cwd: Path | None = None, check: bool = True,
+             extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``peftckpt ARGS`` -- under ``torchrun --nproc-per-node N`` when ``nproc > 0``."""
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "peftckpt", *args]
     else:
         cmd = [sys.executable, "-m", "peftckpt", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
+                          env={**env(), **(extra_env or {})})
     if check and proc.returncode != 0:
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"peftckpt-failure-{os.getpid()}-{len(args)}.log"
         log.write_text(f"{cmd}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")

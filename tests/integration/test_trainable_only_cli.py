@@ -96,13 +96,15 @@ def test_adapter_only_roundtrip(case: tuple[str, bool], bases: dict[bool, Path],
     assert resumed_manifest["base_fingerprint"] == _base_fingerprint_offline(base, resumed_manifest)
 
 
-def test_adapter_checkpoint_reshards_between_tp2pp2_and_tp1pp1(bases: dict[bool, Path], tmp_path: Path) -> None:
+def test_adapter_checkpoint_reshards_across_tp_pp_and_dp(bases: dict[bool, Path], tmp_path: Path) -> None:
     base = bases[True]
     common = ["train", *_model(True), *LORA, "--pretrained-checkpoint", str(base)]
-    for src, dst in (("tp2pp2", "tp1pp1"), ("tp1pp1", "tp2pp2")):
+    layouts = {**LAYOUTS, **EXTRA}
+    for src, dst in (("tp2pp2", "tp1pp1"), ("tp1pp1", "tp2pp2"), ("dp2-distopt", "tp1pp1")):
         first = tmp_path / src
-        peftckpt([*common, *LAYOUTS[src][1], "--save", str(first), "--save-interval", "4",
-                  "--metrics-file", str(tmp_path / f"{src}.jsonl")], LAYOUTS[src][0])
+        if not first.exists():
+            peftckpt([*common, *layouts[src][1], "--save", str(first), "--save-interval", "4",
+                      "--metrics-file", str(tmp_path / f"{src}.jsonl")], layouts[src][0])
         ckpt = first / "iter_0000004"
         # every TP shard of every adapter tensor is in the file: its chunks tile the global tensor
         from torch.distributed.checkpoint import FileSystemReader
@@ -110,13 +112,14 @@ def test_adapter_checkpoint_reshards_between_tp2pp2_and_tp1pp1(bases: dict[bool,
         md = FileSystemReader(str(ckpt)).read_metadata()
         adapters = [k for k in md.state_dict_metadata if ".lora_" in k and k.startswith("model.")]
         assert len(adapters) == 32
+        assert all(len(md.state_dict_metadata[k].chunks) == 2 for k in adapters) or src != "dp2-distopt"
         for k in adapters:
             m = md.state_dict_metadata[k]
             assert sum(torch.Size(c.sizes).numel() for c in m.chunks) == m.size.numel(), k
         if src == "tp2pp2":
             assert max(len(md.state_dict_metadata[k].chunks) for k in adapters) == 4  # fused fc1 B: 2 blocks x 2
-        peftckpt([*common, *LAYOUTS[dst][1], "--load", str(ckpt), "--save", str(tmp_path / f"{src}-{dst}"),
-                  "--metrics-file", str(tmp_path / f"{src}-{dst}.jsonl")], LAYOUTS[dst][0])
+        peftckpt([*common, *layouts[dst][1], "--load", str(ckpt), "--save", str(tmp_path / f"{src}-{dst}"),
+                  "--metrics-file", str(tmp_path / f"{src}-{dst}.jsonl")], layouts[dst][0])
         want = train_records(tmp_path / f"{src}.jsonl")[4:]
         got = train_records(tmp_path / f"{src}-{dst}.jsonl")
         assert [r["iteration"] for r in got] == [5, 6, 7, 8]

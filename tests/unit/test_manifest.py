@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import peftckpt
-from peftckpt.checkpoint.errors import CheckpointFormatError
+from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
 from peftckpt.checkpoint.manifest import (
     CHECKSUM_ALGORITHM,
     FORMAT_VERSION,
@@ -94,6 +94,7 @@ def test_newer_format_version_error_text(tmp_path: Path) -> None:
 )
 def test_malformed_fields_are_named(tmp_path: Path, mutate: object, expected: str) -> None:
     raw = json.loads(_manifest().to_json())
+    raw.pop("manifest_sha256")  # a hand-edited manifest without its self-checksum: field checks apply
     mutate(raw)  # type: ignore[operator]
     with pytest.raises(
         CheckpointFormatError, match=f"manifest {tmp_path / 'm.json'} is malformed: .*{expected}"
@@ -165,3 +166,12 @@ def test_deleted_and_extra_files(tmp_path: Path) -> None:
         f"{ckpt / '.metadata'}: missing (expected 2 bytes)",
         f"{ckpt / 'sub' / 'stray.tmp'}: unexpected file, not listed in the manifest",
     ]
+
+
+def test_damaged_manifest_is_detected_by_its_self_checksum(tmp_path: Path) -> None:
+    data = _manifest().to_json()
+    assert Manifest.from_json(data, tmp_path / "m.json").iteration == json.loads(data)["iteration"]
+    raw = json.loads(data)
+    raw["iteration"] += 1  # still valid JSON, still well-formed: only the self-checksum can tell
+    with pytest.raises(CheckpointIntegrityError, match=f"manifest {tmp_path / 'm.json'} is damaged"):
+        Manifest.from_json(json.dumps(raw).encode(), tmp_path / "m.json")

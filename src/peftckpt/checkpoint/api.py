@@ -31,6 +31,7 @@ from .errors import (
     CheckpointMismatchError,
     StrictnessError,
 )
+from .faults import fault_point
 from .fingerprint import base_fingerprint
 from .manifest import Manifest, checksum_files, read_manifest, verify_files
 from .planners import EntryLoadPlanner, EntrySavePlanner
@@ -135,15 +136,23 @@ class Checkpointer:
         dist.all_gather_object(out, obj)
         return out
 
-    def _agree(self, error: BaseException | None) -> None:
-        """Raise the same error on every rank if any rank failed (never leaves a rank waiting)."""
+    def _agree(self, error: BaseException | None, context: str | None = None) -> None:
+        """Raise on every rank if any rank failed (never leaves a rank waiting in a collective).
+
+        With ``context`` (a save step), any failure becomes a :class:`CheckpointError` that says the
+        previous committed checkpoint is untouched; otherwise this rank's own error is re-raised."""
         errors = self._gather(None if error is None else f"{type(error).__name__}: {error}")
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
+        if context is not None:
+            rank, message = failed[0]
+            raise CheckpointError(f"{context} (rank {rank}: {message}); the previously committed checkpoint "
+                                  "and the tracker are unchanged") from error
         if error is not None:
             raise error
-        if failed:
-            rank, message = failed[0]
-            raise CheckpointError(f"rank {rank} failed: {message}")
+        rank, message = failed[0]
+        raise CheckpointError(f"rank {rank} failed: {message}")
 
     def _barrier(self) -> None:
         if self.distributed:
@@ -156,6 +165,10 @@ class Checkpointer:
     def fingerprint(self, keys: Sequence[str] | None = None) -> str:
         """Layout-independent fingerprint of the frozen model tensors (or of the model tensors named by
         ``keys``: what a checkpoint recorded as its base). The default is computed once, then cached."""
+        frozen_now = {dcp_key(s, k) for s, sec in self.model_sections().items() for k, v in sec.items()
+                      if isinstance(v, GlobalTensor) and not v.requires_grad}
+        if keys is not None and set(keys) == frozen_now:
+            keys = None  # the same set as the default: reuse it (computed at most once per run)
         if keys is None and self._fingerprint is not None:
             return self._fingerprint
         wanted = None if keys is None else set(keys)
@@ -237,9 +250,11 @@ class Checkpointer:
         try:
             if options.ckpt_format == TORCH_DIST:
                 writer = FileSystemWriter(staging, sync_files=True, thread_count=1)
-                dcp.save(flat, storage_writer=writer, planner=EntrySavePlanner())
+                planner = EntrySavePlanner(on_item=lambda: fault_point("data", self.rank, iteration))
+                dcp.save(flat, storage_writer=writer, planner=planner)
                 written = sorted(staging.glob(f"__{self.rank}_*"))
             elif options.ckpt_format == TORCH:
+                fault_point("data", self.rank, iteration)
                 written = legacy.save_rank_file(staging, self.chunks, self.optimizer, self.coords, self.layout,
                                                 flat, options.save_optim)
             else:
@@ -247,9 +262,10 @@ class Checkpointer:
             error = None
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = _unwrap(e)
-        self._agree(error)
+        self._agree(error, f"saving iteration {iteration} to {save} failed")
         # 4.
         records = self._gather((checksum_files(written, staging), kept, excluded))
+        fault_point("before_manifest", self.rank, iteration)
         # 5.
         final = save / f"iter_{iteration:07d}"
         try:
@@ -276,13 +292,15 @@ class Checkpointer:
                     excluded_keys=excluded_keys, adapter_config=self.adapter_config, base_fingerprint=fingerprint,
                     files=files, args=dict(args or {}),
                 )
-                final = commit_staging(staging, save, iteration, manifest.to_json())
+                steps = {"manifest_written": "before_rename", "renamed": "before_tracker"}
+                final = commit_staging(staging, save, iteration, manifest.to_json(),
+                                       on_step=lambda step: fault_point(steps[step], self.rank, iteration))
                 if options.keep_last_k:
                     apply_retention(save, options.keep_last_k)
             error = None
         except BaseException as e:  # noqa: BLE001
             error = e
-        self._agree(error)
+        self._agree(error, f"committing iteration {iteration} to {save} failed")
         return final
 
     # -------------------------------------------------------------------------------------- load

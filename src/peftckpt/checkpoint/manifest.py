@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import peftckpt
-from peftckpt.checkpoint.errors import CheckpointFormatError
+from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
 from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
 
 __all__ = [
@@ -98,8 +98,11 @@ class Manifest:
     """UTC ISO-8601 time of the save."""
 
     def to_json(self) -> bytes:
-        """Stable UTF-8 JSON (sorted keys, 2-space indent, trailing newline)."""
-        return (json.dumps(asdict(self), sort_keys=True, indent=2, allow_nan=False) + "\n").encode()
+        """Stable UTF-8 JSON (sorted keys, 2-space indent, trailing newline), with ``manifest_sha256``: the
+        SHA-256 of the same JSON without that field, so a damaged manifest is detected too."""
+        body = asdict(self)
+        body[SELF_CHECKSUM_KEY] = _self_checksum(body)
+        return (json.dumps(body, sort_keys=True, indent=2, allow_nan=False) + "\n").encode()
 
     @property
     def total_bytes(self) -> int:
@@ -135,6 +138,12 @@ class Manifest:
                 f"({peftckpt.__version__}) reads up to {FORMAT_VERSION}; upgrade peftckpt"
             )
 
+        recorded = raw.pop(SELF_CHECKSUM_KEY, None)
+        if recorded is not None and recorded != _self_checksum(raw):
+            raise CheckpointIntegrityError(
+                f"manifest {source} is damaged: its content does not match its {SELF_CHECKSUM_KEY} "
+                f"({recorded})"
+            )
         problems = []
         names = {f.name for f in fields(cls)}
         missing = sorted(names - raw.keys())
@@ -153,6 +162,15 @@ class Manifest:
         if problems:
             raise CheckpointFormatError(f"manifest {source} is malformed: " + "; ".join(problems))
         return cls(**{name: raw[name] for name in names})
+
+
+SELF_CHECKSUM_KEY = "manifest_sha256"
+
+
+def _self_checksum(body: Mapping[str, Any]) -> str:
+    data = json.dumps({k: v for k, v in body.items() if k != SELF_CHECKSUM_KEY}, sort_keys=True,
+                      allow_nan=False).encode()
+    return hashlib.sha256(data).hexdigest()
 
 
 def _is_int(value: object) -> bool:

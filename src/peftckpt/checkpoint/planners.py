@@ -6,6 +6,7 @@ look inside our entries. Everything else (planning, dedup of replicated pieces, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,10 +19,14 @@ __all__ = ["EntrySavePlanner", "EntryLoadPlanner"]
 
 
 class EntrySavePlanner(DefaultSavePlanner):
-    def __init__(self) -> None:
+    def __init__(self, on_item: Callable[[], None] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._on_item = on_item
+        """Called as each item is fetched for writing (fault injection)."""
 
     def lookup_object(self, index: MetadataIndex) -> Any:
+        if self._on_item is not None:
+            self._on_item()
         obj = self.state_dict.get(index.fqn)
         if isinstance(obj, GlobalTensor):
             return obj.__get_tensor_shard__(index)

@@ -33,7 +33,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError
@@ -275,6 +275,7 @@ def commit_staging(
     update_tracker: bool = True,
     *,
     allow_tracker_rewind: bool = False,
+    on_step: Callable[[str], None] | None = None,
 ) -> Path:
     """Commit a fully written staging directory as ``<save>/iter_XXXXXXX`` and return that path.
 
@@ -312,6 +313,8 @@ def commit_staging(
 
     atomic_write_bytes(staging / MANIFEST_FILENAME, manifest_bytes)  # 1
     fsync_tree(staging)  # 2
+    if on_step is not None:
+        on_step("manifest_written")
 
     final = save / iteration_dirname(iteration)
     trash: Path | None = None
@@ -323,6 +326,8 @@ def commit_staging(
     if trash is not None:  # 5
         shutil.rmtree(trash, ignore_errors=True)
         fsync_dir(save)
+    if on_step is not None:
+        on_step("renamed")
 
     if update_tracker:  # 6
         try:

@@ -1,0 +1,87 @@
+"""Issue 5 / must show 1 and 4: a crash at any point of a save never costs the previous checkpoint.
+
+Faults are injected with ``PEFTCKPT_FAULT_INJECT`` (see ``peftckpt.checkpoint.faults``): SIGKILL of one
+rank of a 2-rank TP job at each point of the commit protocol, an I/O error (EIO) and a full disk (ENOSPC)
+raised from inside the write. After each, the tracker still names the previous checkpoint, it verifies,
+and a plain re-run resumes from it with the losses of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from peftckpt.checkpoint.storage_layout import list_committed, read_tracker
+from peftckpt.checkpoint.verify import verify_checkpoint
+
+from .cli import TINY, peftckpt, train_records
+
+pytestmark = pytest.mark.slow
+TP2 = ["--tensor-model-parallel-size", "2"]
+RUN = ["train", *TINY, "--train-iters", "6"]
+SAVE = ["--save-interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[float]]:
+    root = tmp_path_factory.mktemp("straight")
+    out = {}
+    for nproc, layout in ((2, TP2), (0, [])):
+        metrics = root / f"{nproc}.jsonl"
+        peftckpt([*RUN, *layout, "--metrics-file", str(metrics)], nproc)
+        out[nproc] = [r["loss"] for r in train_records(metrics)]
+    return out
+
+
+def _staging_left(save: Path) -> list[str]:
+    return [p.name for p in save.iterdir() if p.name.startswith((".staging", ".trash"))]
+
+
+CASES = [
+    ("data", "kill", 1, 2), ("before_manifest", "kill", 0, 2), ("before_rename", "kill", 0, 2),
+    ("before_tracker", "kill", 0, 2), ("data", "eio", 0, 0), ("data", "enospc", 0, 0),
+]
+
+
+@pytest.mark.parametrize("point,action,rank,nproc", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_fault_keeps_previous_checkpoint(point: str, action: str, rank: int, nproc: int,
+                                         straight: dict[int, list[float]], tmp_path: Path) -> None:
+    save = tmp_path / "save"
+    layout = TP2 if nproc else []
+    fault = {"PEFTCKPT_FAULT_INJECT": f"{point}:{action}:rank={rank}:iteration=4"}
+    crashed = peftckpt([*RUN, *SAVE, *layout, "--save", str(save), "--metrics-file", str(tmp_path / "a.jsonl")], nproc,
+                       check=False, extra_env=fault)
+    assert crashed.returncode != 0
+    if action != "kill":
+        assert "saving iteration 4" in crashed.stderr and "unchanged" in crashed.stderr, crashed.stderr[-2000:]
+        assert ("No space left on device" if action == "enospc" else "I/O error") in crashed.stderr
+    assert read_tracker(save) == 2
+    report = verify_checkpoint(save)
+    assert report.ok and report.iteration == 2, report.problems
+    assert list_committed(save) == ([2, 4] if point == "before_tracker" else [2])
+    # the next run resumes from iteration 2 and continues exactly; its first save cleans the leftovers
+    peftckpt([*RUN, *SAVE, *layout, "--save", str(save), "--load", str(save), "--metrics-file", str(tmp_path / "b.jsonl")],
+             nproc)
+    resumed = train_records(tmp_path / "b.jsonl")
+    assert [r["iteration"] for r in resumed] == [3, 4, 5, 6]
+    assert [r["loss"] for r in resumed] == straight[nproc][2:]
+    assert list_committed(save) == [2, 4, 6] and read_tracker(save) == 6
+    assert _staging_left(save) == []
+
+
+def test_retention_keeps_newest_k_across_interrupted_saves(straight: dict[int, list[float]], tmp_path: Path) -> None:
+    save = tmp_path / "save"
+    args = ["train", *TINY, "--train-iters", "6", "--save-interval", "1", "--keep-last-k", "2", "--save", str(save)]
+    crashed = peftckpt([*args, "--load", str(save)], check=False,
+                       extra_env={"PEFTCKPT_FAULT_INJECT": "before_rename:kill:iteration=4"})
+    assert crashed.returncode != 0
+    assert list_committed(save) == [2, 3] and read_tracker(save) == 3
+    crashed = peftckpt([*args, "--load", str(save)], check=False,
+                       extra_env={"PEFTCKPT_FAULT_INJECT": "data:kill:iteration=5"})
+    assert crashed.returncode != 0
+    assert list_committed(save) == [3, 4] and read_tracker(save) == 4
+    peftckpt([*args, "--load", str(save), "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert list_committed(save) == [5, 6] and read_tracker(save) == 6
+    assert _staging_left(save) == []
+    assert [r["loss"] for r in train_records(tmp_path / "m.jsonl")] == straight[0][4:]

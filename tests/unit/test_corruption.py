@@ -1,0 +1,118 @@
+"""Issue 5 / must show 2 and 5: every kind of damage to every kind of file is detected, with the file named,
+by ``peftckpt verify`` and by a load; a ``.metadata`` crafted to run code is refused and runs nothing."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from peftckpt.checkpoint.api import Checkpointer, LoadOptions
+from peftckpt.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
+from peftckpt.checkpoint.verify import verify_checkpoint, verify_main
+
+LAYOUT = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}
+COORDS = {"tp": 0, "pp": 0, "dp": 0}
+
+
+def _checkpointer(seed: int = 0) -> tuple[Checkpointer, nn.Module]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return Checkpointer([model], opt, layout=LAYOUT, coords=COORDS, model_config={"width": 64}), model
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    save = tmp_path_factory.mktemp("pristine")
+    _checkpointer()[0].save(save, 3, {"iteration": 3})
+    return save
+
+
+def _truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    p.write_bytes(bytes(data))
+
+
+FILES = ["__0_0.distcp", ".metadata", "metadata.json"]
+DAMAGE = {"truncated": _truncate, "bit-flipped": _flip, "deleted": Path.unlink}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("name", FILES)
+def test_damage_is_detected_and_named(pristine: Path, tmp_path: Path, name: str, damage: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    save = tmp_path / "save"
+    shutil.copytree(pristine, save)
+    ckpt = save / "iter_0000003"
+    DAMAGE[damage](ckpt / name)
+    # offline verify: non-zero exit, the file named
+    if name == "metadata.json" and damage == "deleted":
+        expected = "not a committed"  # without its manifest the directory is not a checkpoint at all
+    else:
+        expected = name
+    assert verify_main([str(ckpt)]) != 0
+    out = capsys.readouterr()
+    assert expected in out.err + out.out
+    # load: an error naming the file, and the target model untouched
+    target, model = _checkpointer(seed=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError) as info:
+        target.load(ckpt, LoadOptions(objects=["iteration"]))
+    assert expected in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_pristine_checkpoint_verifies_and_loads(pristine: Path) -> None:
+    report = verify_checkpoint(pristine)
+    assert report.ok and report.iteration == 3 and report.num_files == 2
+    target, model = _checkpointer(seed=1)
+    result = target.load(pristine, LoadOptions(objects=["iteration"]))
+    assert result.objects == {"iteration": 3}
+    source, saved = _checkpointer(seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), model.parameters()))
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path.touch, (self.marker,))
+
+
+def test_crafted_metadata_is_refused_by_verify_and_load(pristine: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    save = tmp_path / "save"
+    shutil.copytree(pristine, save)
+    ckpt = save / "iter_0000003"
+    md = load_dcp_metadata(ckpt / ".metadata")
+    marker = tmp_path / "code-ran"
+    md.planner_data = {"x": _Payload(marker)}
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    # re-record the manifest's checksum of the crafted file, as an attacker would
+    from peftckpt.checkpoint.manifest import checksum_files
+
+    manifest = json.loads((ckpt / "metadata.json").read_text())
+    manifest.pop("manifest_sha256")
+    manifest["files"].update(checksum_files([ckpt / ".metadata"], ckpt))
+    (ckpt / "metadata.json").write_text(json.dumps(manifest))
+    assert verify_main([str(ckpt)]) != 0
+    assert "pathlib" in capsys.readouterr().err
+    target, _ = _checkpointer(seed=1)
+    with pytest.raises(UnsafeCheckpointError, match="pathlib"):
+        target.load(ckpt, LoadOptions())
+    assert not marker.exists()
