@@ -25,7 +25,7 @@ test: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: venv
-	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/ruff check src tests scripts
 	$(BIN)/mypy
 
 clean:

@@ -8,14 +8,16 @@ and a plain re-run resumes from it with the losses of an uninterrupted run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from peftckpt.checkpoint.storage_layout import list_committed, read_tracker
 from peftckpt.checkpoint.verify import verify_checkpoint
 
-from .cli import TINY, peftckpt, train_records
+from .cli import TINY, peftckpt, read_dcp_tensors, train_records
 
 pytestmark = pytest.mark.slow
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -39,29 +41,34 @@ def _staging_left(save: Path) -> list[str]:
 
 
 CASES = [
-    ("data", "kill", 1, 2), ("before_manifest", "kill", 0, 2), ("before_rename", "kill", 0, 2),
-    ("before_tracker", "kill", 0, 2), ("data", "eio", 0, 0), ("data", "enospc", 0, 0),
+    ("data", "kill", 1, 2, False), ("before_manifest", "kill", 0, 2, False), ("before_rename", "kill", 0, 2, False),
+    ("before_tracker", "kill", 0, 2, False), ("data", "eio", 0, 0, False), ("data", "enospc", 0, 0, False),
+    # the same faults inside the background writer of --async-save
+    ("data", "kill", 1, 2, True), ("data", "eio", 0, 0, True),
 ]
 
 
-@pytest.mark.parametrize("point,action,rank,nproc", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_fault_keeps_previous_checkpoint(point: str, action: str, rank: int, nproc: int,
+@pytest.mark.parametrize("point,action,rank,nproc,background", CASES,
+                         ids=[f"{c[0]}-{c[1]}" + ("-async" if c[4] else "") for c in CASES])
+def test_fault_keeps_previous_checkpoint(point: str, action: str, rank: int, nproc: int, background: bool,
                                          straight: dict[int, list[float]], tmp_path: Path) -> None:
     save = tmp_path / "save"
     layout = TP2 if nproc else []
+    mode = ["--async-save"] if background else []
     fault = {"PEFTCKPT_FAULT_INJECT": f"{point}:{action}:rank={rank}:iteration=4"}
-    crashed = peftckpt([*RUN, *SAVE, *layout, "--save", str(save), "--metrics-file", str(tmp_path / "a.jsonl")], nproc,
-                       check=False, extra_env=fault)
+    crashed = peftckpt([*RUN, *SAVE, *mode, *layout, "--save", str(save), "--metrics-file", str(tmp_path / "a.jsonl")],
+                       nproc, check=False, extra_env=fault)
     assert crashed.returncode != 0
     if action != "kill":
-        assert "saving iteration 4" in crashed.stderr and "unchanged" in crashed.stderr, crashed.stderr[-2000:]
+        context = "async save of iteration 4" if background else "saving iteration 4"
+        assert context in crashed.stderr and "unchanged" in crashed.stderr, crashed.stderr[-2000:]
         assert ("No space left on device" if action == "enospc" else "I/O error") in crashed.stderr
     assert read_tracker(save) == 2
     report = verify_checkpoint(save)
     assert report.ok and report.iteration == 2, report.problems
     assert list_committed(save) == ([2, 4] if point == "before_tracker" else [2])
     # the next run resumes from iteration 2 and continues exactly; its first save cleans the leftovers
-    peftckpt([*RUN, *SAVE, *layout, "--save", str(save), "--load", str(save), "--metrics-file", str(tmp_path / "b.jsonl")],
+    peftckpt([*RUN, *SAVE, *mode, *layout, "--save", str(save), "--load", str(save), "--metrics-file", str(tmp_path / "b.jsonl")],
              nproc)
     resumed = train_records(tmp_path / "b.jsonl")
     assert [r["iteration"] for r in resumed] == [3, 4, 5, 6]
@@ -85,3 +92,17 @@ def test_retention_keeps_newest_k_across_interrupted_saves(straight: dict[int, l
     assert list_committed(save) == [5, 6] and read_tracker(save) == 6
     assert _staging_left(save) == []
     assert [r["loss"] for r in train_records(tmp_path / "m.jsonl")] == straight[0][4:]
+
+
+def test_async_save_writes_what_a_sync_save_writes(tmp_path: Path) -> None:
+    for mode in ("sync", "async"):
+        flags = ["--async-save"] if mode == "async" else []
+        proc = peftckpt([*RUN, *SAVE, *TP2, *flags, "--save", str(tmp_path / mode)], 2)
+        assert ("in the background" in proc.stdout) == (mode == "async")
+        assert list_committed(tmp_path / mode) == [2, 4, 6] and read_tracker(tmp_path / mode) == 6
+    for it in ("iter_0000004", "iter_0000006"):
+        a, b = read_dcp_tensors(tmp_path / "sync" / it), read_dcp_tensors(tmp_path / "async" / it)
+        assert set(a) == set(b) and [k for k in a if not torch.equal(a[k], b[k])] == []
+        sync_manifest = json.loads((tmp_path / "sync" / it / "metadata.json").read_text())
+        async_manifest = json.loads((tmp_path / "async" / it / "metadata.json").read_text())
+        assert sync_manifest["saved_keys"] == async_manifest["saved_keys"]

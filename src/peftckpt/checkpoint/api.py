@@ -6,13 +6,15 @@ modules, DTensor-TP modules, FSDP2-sharded modules and pipeline chunks; it knows
 
 from __future__ import annotations
 
+import copy
 import os
 import secrets
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..sharding.entries import GlobalTensor
 from . import legacy
@@ -73,6 +76,9 @@ class SaveOptions:
     save_optim: bool = True
     save_rng: bool = True
     keep_last_k: int | None = None
+    async_save: bool = False
+    """Write in a background thread after a blocking copy to host memory; committed by :meth:`Checkpointer.poll`,
+    :meth:`Checkpointer.wait` or the next save (at most one save in flight)."""
 
 
 @dataclass
@@ -94,6 +100,37 @@ class LoadResult:
     objects: dict[str, Any] = field(default_factory=dict)
     report: KeyReport = field(default_factory=KeyReport)
     rng_restored: bool = False
+
+
+@dataclass
+class _PendingCommit:
+    """What the commit of a written (or being written) checkpoint needs."""
+
+    save: Path
+    staging: Path
+    iteration: int
+    kept: dict[str, Any]
+    excluded: dict[str, Any]
+    fingerprint: str | None
+    options: SaveOptions
+    object_names: list[str]
+    args: dict[str, Any]
+    future: Future[Any] | None = None
+
+
+class _NoStaging(AsyncStager):
+    """The state handed to ``async_save`` is already a private host copy: nothing more to stage."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -127,6 +164,8 @@ class Checkpointer:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self._fingerprint: str | None = None
+        self._pending: _PendingCommit | None = None
+        self._async_pg: dist.ProcessGroup | None = None
 
     # -------------------------------------------------------------------------------- collectives
     def _gather(self, obj: Any) -> list[Any]:
@@ -219,6 +258,7 @@ class Checkpointer:
         """
         options = options or SaveOptions()
         save = Path(save_dir).absolute()
+        self.wait()  # at most one save in flight; an earlier async failure surfaces here
         # 1.
         error: BaseException | None = None
         try:
@@ -246,28 +286,89 @@ class Checkpointer:
         staging = Path(staging_name)
         self._barrier()
         # 3.
-        written: list[Path] = []
+        commit = _PendingCommit(save=save, staging=staging, iteration=iteration, kept=kept, excluded=excluded,
+                                fingerprint=fingerprint, options=options, object_names=list((objects or {}).keys()),
+                                args=dict(args or {}))
         try:
             if options.ckpt_format == TORCH_DIST:
                 writer = FileSystemWriter(staging, sync_files=True, thread_count=1)
                 planner = EntrySavePlanner(on_item=lambda: fault_point("data", self.rank, iteration))
-                dcp.save(flat, storage_writer=writer, planner=planner)
-                written = sorted(staging.glob(f"__{self.rank}_*"))
+                if options.async_save:
+                    # Training is blocked only for this copy to host memory; DCP plans and writes in a thread.
+                    snapshot = {k: v.snapshot() if isinstance(v, GlobalTensor) else copy.deepcopy(v)
+                                for k, v in flat.items()}
+                    commit.future = cast(Future, dcp.async_save(
+                        snapshot, storage_writer=writer, planner=planner, process_group=self._async_group(),
+                        async_stager=_NoStaging()))
+                    self._pending = commit
+                    error = None
+                else:
+                    dcp.save(flat, storage_writer=writer, planner=planner)
             elif options.ckpt_format == TORCH:
                 fault_point("data", self.rank, iteration)
-                written = legacy.save_rank_file(staging, self.chunks, self.optimizer, self.coords, self.layout,
-                                                flat, options.save_optim)
+                legacy.save_rank_file(staging, self.chunks, self.optimizer, self.coords, self.layout, flat,
+                                      options.save_optim)
             else:
                 raise CheckpointFormatError(f"--ckpt-format must be torch_dist or torch, got {options.ckpt_format!r}")
             error = None
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = _unwrap(e)
+            self._pending = None
         self._agree(error, f"saving iteration {iteration} to {save} failed")
-        # 4.
-        records = self._gather((checksum_files(written, staging), kept, excluded))
-        fault_point("before_manifest", self.rank, iteration)
-        # 5.
-        final = save / f"iter_{iteration:07d}"
+        if self._pending is None:
+            self._commit(commit)
+        return save / f"iter_{iteration:07d}"
+
+    # ------------------------------------------------------------------------------------- async
+    def _async_group(self) -> dist.ProcessGroup | None:
+        """A gloo group of its own for the background save, so it never interleaves with training traffic."""
+        if not self.distributed:
+            return None
+        if self._async_pg is None:
+            self._async_pg = dist.new_group(backend="gloo")
+        return self._async_pg
+
+    @property
+    def save_in_flight(self) -> bool:
+        return self._pending is not None
+
+    def poll(self) -> bool:
+        """Commit the in-flight async save if every rank finished writing it (collective). True if committed."""
+        if self._pending is None:
+            return False
+        done = torch.tensor([1 if self._pending.future is not None and self._pending.future.done() else 0])
+        if self.distributed:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if not int(done):
+            return False
+        self.wait()
+        return True
+
+    def wait(self) -> None:
+        """Wait for the in-flight async save and commit it (collective); its failure is raised here."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        error: BaseException | None = None
+        try:
+            assert pending.future is not None
+            pending.future.result()
+        except BaseException as e:  # noqa: BLE001
+            error = _unwrap(e)
+        self._agree(error, f"async save of iteration {pending.iteration} to {pending.save} failed")
+        self._commit(pending)
+
+    # ------------------------------------------------------------------------------------ commit
+    def _commit(self, c: _PendingCommit) -> None:
+        """Steps 4 and 5 of :meth:`save`: checksums, manifest, rename, tracker, retention."""
+        if c.options.ckpt_format == TORCH:
+            own = legacy.rank_file(c.staging, self.coords, self.layout)
+            written = [own] if own.is_file() and self.coords.get("dp", 0) == 0 else []
+        else:
+            written = sorted(c.staging.glob(f"__{self.rank}_*"))
+        records = self._gather((checksum_files(written, c.staging), c.kept, c.excluded))
+        fault_point("before_manifest", self.rank, c.iteration)
+        error: BaseException | None = None
         try:
             if self.rank == 0:
                 files: dict[str, Any] = {}
@@ -277,31 +378,29 @@ class Checkpointer:
                     files.update(f)
                     saved_keys.update(k)
                     excluded_keys.update(x)
-                others = [p for p in staging.rglob("*") if p.is_file() and p.relative_to(staging).as_posix()
+                others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix()
                           not in files]
-                files.update(checksum_files(others, staging))
+                files.update(checksum_files(others, c.staging))
                 sections = list(model_section_names(len(self.chunks)))
-                if options.save_optim and self.optimizer is not None:
+                if c.options.save_optim and self.optimizer is not None:
                     sections.append(OPTIMIZER)
-                if options.save_rng:
+                if c.options.save_rng:
                     sections.append(RNG_STATE)
-                sections += list((objects or {}).keys())
+                sections += c.object_names
                 manifest = Manifest(
-                    format=options.ckpt_format, iteration=iteration, sections=sections, layout=self.layout,
-                    model_config=self.model_config, trainable_only=options.trainable_only, saved_keys=saved_keys,
-                    excluded_keys=excluded_keys, adapter_config=self.adapter_config, base_fingerprint=fingerprint,
-                    files=files, args=dict(args or {}),
+                    format=c.options.ckpt_format, iteration=c.iteration, sections=sections, layout=self.layout,
+                    model_config=self.model_config, trainable_only=c.options.trainable_only, saved_keys=saved_keys,
+                    excluded_keys=excluded_keys, adapter_config=self.adapter_config,
+                    base_fingerprint=c.fingerprint, files=files, args=c.args,
                 )
                 steps = {"manifest_written": "before_rename", "renamed": "before_tracker"}
-                final = commit_staging(staging, save, iteration, manifest.to_json(),
-                                       on_step=lambda step: fault_point(steps[step], self.rank, iteration))
-                if options.keep_last_k:
-                    apply_retention(save, options.keep_last_k)
-            error = None
+                commit_staging(c.staging, c.save, c.iteration, manifest.to_json(),
+                               on_step=lambda step: fault_point(steps[step], self.rank, c.iteration))
+                if c.options.keep_last_k:
+                    apply_retention(c.save, c.options.keep_last_k)
         except BaseException as e:  # noqa: BLE001
             error = e
-        self._agree(error, f"committing iteration {iteration} to {save} failed")
-        return final
+        self._agree(error, f"committing iteration {c.iteration} to {c.save} failed")
 
     # -------------------------------------------------------------------------------------- load
     def _resolve(self, path: str | os.PathLike[str], verify: bool) -> tuple[Path, int, Manifest]:

@@ -53,6 +53,11 @@ class GlobalTensor:
     def nbytes(self) -> int:
         return self.global_shape.numel() * self.dtype.itemsize
 
+    def snapshot(self) -> GlobalTensor:
+        """A copy whose pieces are private clones (for a save that runs while training goes on)."""
+        return GlobalTensor(self.global_shape, self.dtype, [Piece(p.offsets, p.tensor.clone()) for p in self.pieces],
+                            self.requires_grad, self.replicated)
+
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         return [
             WriteItem(

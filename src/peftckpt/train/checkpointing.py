@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
@@ -47,6 +48,8 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="skip re-reading every checkpoint file to check its checksum before loading")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, if --save is set) when the iteration is a multiple of N")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background: training waits only for the copy to host memory")
     g.add_argument("--keep-last-k", type=int, default=None, help="keep only the newest K checkpoints in --save")
 
 
@@ -67,6 +70,8 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--exit-on-missing-checkpoint needs --load")
     if args.finetune and not args.load:
         raise ArgumentError("--finetune needs --load")
+    if args.async_save and args.ckpt_format != TORCH_DIST:
+        raise ArgumentError("--async-save needs --ckpt-format torch_dist")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ArgumentError(f"--exit-interval must be >= 1, got {args.exit_interval}")
     if args.keep_last_k is not None and args.keep_last_k < 1:
@@ -137,19 +142,29 @@ class TrainerCheckpointing:
         target = save_dir or a.save
         assert target is not None
         options = SaveOptions(ckpt_format=ckpt_format or a.ckpt_format, trainable_only=a.save_trainable_params_only,
-                              save_optim=not a.no_save_optim, save_rng=not a.no_save_rng, keep_last_k=a.keep_last_k)
+                              save_optim=not a.no_save_optim, save_rng=not a.no_save_rng, keep_last_k=a.keep_last_k,
+                              async_save=a.async_save and save_dir is None)
+        start = time.perf_counter()
         path = self.ckpt.save(target, t.iteration, self.objects(), options, args=_json_args(a))
+        blocked = time.perf_counter() - start
         self.last_saved = t.iteration
-        t.logger.info(f"saved checkpoint {path}")
+        if self.ckpt.save_in_flight:
+            t.logger.info(f"saving checkpoint {path} in the background (training blocked {blocked:.3f} s)")
+        else:
+            t.logger.info(f"saved checkpoint {path} ({blocked:.3f} s)")
 
     def maybe_save(self) -> None:
         a = self.args
+        if self.ckpt.save_in_flight and self.ckpt.poll():
+            self.trainer.logger.info("background checkpoint committed")
         if a.save and a.save_interval and self.trainer.iteration % a.save_interval == 0:
             self.save()
 
     def finish(self) -> None:
+        """Save the final state (if not just saved) and wait for any background save to commit."""
         if self.args.save and self.last_saved != self.trainer.iteration:
             self.save()
+        self.ckpt.wait()
 
     def convert(self) -> None:
         """``--ckpt-convert-format``: re-save what ``--load`` restored in the other format."""
