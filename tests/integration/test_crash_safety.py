@@ -9,6 +9,8 @@ and a plain re-run resumes from it with the losses of an uninterrupted run.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,30 @@ def test_async_save_writes_what_a_sync_save_writes(tmp_path: Path) -> None:
         sync_manifest = json.loads((tmp_path / "sync" / it / "metadata.json").read_text())
         async_manifest = json.loads((tmp_path / "async" / it / "metadata.json").read_text())
         assert sync_manifest["saved_keys"] == async_manifest["saved_keys"]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A 1.2 MiB tmpfs: room for one tiny checkpoint (0.7 MiB), not two (needs root; the injected ENOSPC case above
+    covers the same path where mounting is not allowed)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_keeps_previous_checkpoint(small_disk: Path, straight: dict[int, list[float]],
+                                             tmp_path: Path) -> None:
+    save = small_disk / "save"
+    crashed = peftckpt([*RUN, *SAVE, "--save", str(save)], check=False)
+    assert crashed.returncode == 1
+    assert "saving iteration 4" in crashed.stderr and "No space left on device" in crashed.stderr
+    assert read_tracker(save) == 2 and list_committed(save) == [2]
+    assert verify_checkpoint(save).ok
+    moved = tmp_path / "moved"
+    shutil.copytree(save, moved, ignore=shutil.ignore_patterns(".staging*"))
+    peftckpt([*RUN, *SAVE, "--load", str(moved), "--save", str(moved), "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert [r["loss"] for r in train_records(tmp_path / "m.jsonl")] == straight[0][2:]
