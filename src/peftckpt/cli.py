@@ -30,7 +30,15 @@ def _train(argv: Sequence[str]) -> int:
         return 2
     from .train.run import run_training
 
-    return run_training(args, world_size, rank)
+    code = run_training(args, world_size, rank)
+    if world_size > 1:
+        # Everything is written and the process groups are destroyed. Skip interpreter finalisation:
+        # gloo's C++ threads torn down by static destructors there occasionally abort the process
+        # ("terminate called without an active exception"), turning a finished run into a failure.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
