@@ -22,7 +22,7 @@ demo: venv
 	$(BIN)/python scripts/demo.py
 
 test: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 lint: venv
 	$(BIN)/ruff check src tests scripts
