@@ -204,17 +204,17 @@ class Checkpointer:
     def fingerprint(self, keys: Sequence[str] | None = None) -> str:
         """Layout-independent fingerprint of the frozen model tensors (or of the model tensors named by
         ``keys``: what a checkpoint recorded as its base). The default is computed once, then cached."""
-        frozen_now = {dcp_key(s, k) for s, sec in self.model_sections().items() for k, v in sec.items()
-                      if isinstance(v, GlobalTensor) and not v.requires_grad}
-        if keys is not None and set(keys) == frozen_now:
-            keys = None  # the same set as the default: reuse it (computed at most once per run)
         if keys is None and self._fingerprint is not None:
             return self._fingerprint
-        wanted = None if keys is None else set(keys)
-        frozen = {dcp_key(s, k): v for s, sec in self.model_sections().items() for k, v in sec.items()
-                  if isinstance(v, GlobalTensor)
-                  and (not v.requires_grad if wanted is None else dcp_key(s, k) in wanted)}
-        value = base_fingerprint(frozen, self.distributed)
+        tensors = {dcp_key(s, k): v for s, sec in self.model_sections().items() for k, v in sec.items()
+                   if isinstance(v, GlobalTensor)}
+        frozen_now = {k for k, v in tensors.items() if not v.requires_grad}
+        if keys is not None and set(keys) == frozen_now:
+            keys = None  # the same set as the default: share the cached value (computed at most once per run)
+            if self._fingerprint is not None:
+                return self._fingerprint
+        wanted = frozen_now if keys is None else set(keys)
+        value = base_fingerprint({k: v for k, v in tensors.items() if k in wanted}, self.distributed)
         if keys is None:
             self._fingerprint = value
         return value
@@ -519,12 +519,7 @@ class Checkpointer:
         for k in wanted_objects:
             request[k] = None
         # 4.
-        try:
-            dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner())
-            error = None
-        except BaseException as e:  # noqa: BLE001
-            error = _unwrap(e)
-        self._agree(error)
+        self._read(request, reader)
         objects = {k: request[k] for k in wanted_objects}
         for k, (chunk, name) in extra.items():
             chunk.load_state_dict({name: objects.pop(k)}, strict=False)
@@ -547,6 +542,15 @@ class Checkpointer:
             warnings.warn(f"checkpoint layout {manifest.layout} differs from this run's {self.layout}: "
                           "RNG state is re-seeded instead of restored", stacklevel=2)
         return LoadResult(ckpt, iteration, manifest, objects, report, rng_restored=load_rng)
+
+    def _read(self, request: dict[str, Any], reader: SafeFileSystemReader) -> None:
+        """``dcp.load`` the request in place; a failure on any rank is raised on every rank."""
+        error: BaseException | None = None
+        try:
+            dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner())
+        except BaseException as e:  # noqa: BLE001 - reported collectively
+            error = _unwrap(e)
+        self._agree(error)
 
     def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
         """Load the base weights (model sections only) from a full checkpoint.
@@ -577,11 +581,6 @@ class Checkpointer:
         self._agree(error)
         for k in absent:
             request.pop(k)
-        try:
-            dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner())
-            error = None
-        except BaseException as e:  # noqa: BLE001
-            error = _unwrap(e)
-        self._agree(error)
+        self._read(request, reader)
         self._fingerprint = None  # the base changed
         return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))
