@@ -1,20 +1,37 @@
-"""``peftckpt`` command line: ``train`` (under torchrun or alone) and the offline checkpoint tools."""
+"""``peftckpt`` command line: ``train`` / ``eval`` (under torchrun or alone) and the offline checkpoint tools."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "COMMANDS"]
 
-USAGE = """usage: peftckpt <command> [options]
+#: command -> (module, function taking argv and returning the exit code, one-line description).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("peftckpt.cli", "_train", "train a GPT (+ LoRA) with TP x PP x DP; under torchrun for >1 process"),
+    "eval": ("peftckpt.train.evaluate", "eval_main", "mean next-token loss of a base (+ adapter) on --data-path"),
+    "verify": ("peftckpt.checkpoint.verify", "verify_main", "check a checkpoint's files against its manifest"),
+    "inspect": ("peftckpt.checkpoint.inspect", "inspect_main",
+                "sections, keys, shapes, layout, commit state and sizes of a checkpoint"),
+    "import-hf": ("peftckpt.interop.commands", "import_hf_main",
+                  "HF Llama model directory -> full torch_dist base checkpoint"),
+    "export-hf": ("peftckpt.interop.commands", "export_hf_main",
+                  "base (+ adapter merged) -> HF Llama model directory"),
+    "export-peft": ("peftckpt.interop.commands", "export_peft_main",
+                    "adapter checkpoint -> HF PEFT LoRA adapter directory"),
+    "import-peft": ("peftckpt.interop.commands", "import_peft_main",
+                    "HF PEFT LoRA adapter directory -> adapter checkpoint for train --load"),
+}
 
-commands:
-  train     train a GPT (+ LoRA) with TP x PP x DP; run under torchrun for more than one process
-  verify    check a checkpoint's files against its manifest (offline)
 
-`peftckpt <command> --help` for the options of a command."""
+def _usage() -> str:
+    width = max(len(c) for c in COMMANDS)
+    lines = [f"  {c:<{width}}  {desc}" for c, (_, _, desc) in COMMANDS.items()]
+    return ("usage: peftckpt <command> [options]\n\ncommands:\n" + "\n".join(lines)
+            + "\n\n`peftckpt <command> --help` for the options of a command.")
 
 
 def _train(argv: Sequence[str]) -> int:
@@ -30,11 +47,15 @@ def _train(argv: Sequence[str]) -> int:
         return 2
     from .train.run import run_training
 
-    code = run_training(args, world_size, rank)
+    return exit_multi_rank(run_training(args, world_size, rank), world_size)
+
+
+def exit_multi_rank(code: int, world_size: int) -> int:
+    """After a multi-rank run whose process groups are destroyed, exit without interpreter finalisation.
+
+    Gloo's C++ threads torn down by static destructors there occasionally abort the process ("terminate
+    called without an active exception"), turning a finished run into a failure."""
     if world_size > 1:
-        # Everything is written and the process groups are destroyed. Skip interpreter finalisation:
-        # gloo's C++ threads torn down by static destructors there occasionally abort the process
-        # ("terminate called without an active exception"), turning a finished run into a failure.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -44,17 +65,15 @@ def _train(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(_usage())
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "train":
-        return _train(rest)
-    if command == "verify":
-        from .checkpoint.verify import verify_main
-
-        return verify_main(rest)
-    print(f"peftckpt: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    if command not in COMMANDS:
+        print(f"peftckpt: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, function, _ = COMMANDS[command]
+    entry: Callable[[Sequence[str]], int] = getattr(importlib.import_module(module), function)
+    return entry(rest)
 
 
 if __name__ == "__main__":

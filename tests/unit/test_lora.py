@@ -180,7 +180,9 @@ def test_layers_and_targets_restrict_adapters() -> None:
 
 
 def test_lora_config_errors_name_the_flag() -> None:
-    with pytest.raises(ValueError, match=r"--lora-target-modules: unknown target\(s\) \['linear_q'\]"):
+    with pytest.raises(ValueError, match=r"--lora-target-modules: unknown target\(s\) \['linear_x'\]"):
+        LoRAConfig(target_modules=("linear_qkv", "linear_x"))
+    with pytest.raises(ValueError, match="linear_q is a part of linear_qkv; adapt the whole layer or its parts"):
         LoRAConfig(target_modules=("linear_qkv", "linear_q"))
     with pytest.raises(ValueError, match="--lora-target-modules must name at least one module"):
         LoRAConfig(target_modules=())
@@ -195,3 +197,78 @@ def test_applying_twice_is_refused() -> None:
     apply_lora([model], LoRAConfig(rank=4), SEED)
     with pytest.raises(RuntimeError, match="already has a LoRA adapter"):
         apply_lora([model], LoRAConfig(rank=4), SEED)
+
+
+# ------------------------------------------------------------------ per-part ("canonical") adapters
+PARTS = ("linear_q", "linear_k", "linear_v", "linear_fc1_gate", "linear_fc1_up")
+
+
+def _random_b(model: GPTModel, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def test_part_adapters_equal_the_fused_adapter_they_split() -> None:
+    """Parts with the fused adapter's A and the matching rows of its B compute exactly the fused adapter:
+    pins the per-group QKV interleave of the forward and the split helpers interop relies on."""
+    from peftckpt.model.fused import split_gate_up, split_qkv
+
+    cfg = _config(swiglu=True)
+    fused = GPTModel(cfg, seed=SEED)
+    apply_lora([fused], LoRAConfig(rank=4, target_modules=("linear_qkv", "linear_fc1")), SEED)
+    _random_b(fused, 1)
+    parts = GPTModel(cfg, seed=SEED)
+    apply_lora([parts], LoRAConfig(rank=4, target_modules=PARTS), SEED)
+    for n in _layers(fused):
+        qkv_f, qkv_p = target_linear(_layers(fused)[n], "linear_qkv"), target_linear(_layers(parts)[n], "linear_qkv")
+        fc1_f, fc1_p = target_linear(_layers(fused)[n], "linear_fc1"), target_linear(_layers(parts)[n], "linear_fc1")
+        assert qkv_f.lora_B is not None and fc1_f.lora_B is not None
+        assert [p for p, _, _ in qkv_p.adapter_pairs()] == ["q", "k", "v"]
+        with torch.no_grad():
+            for (_, a, b), b_rows in zip(qkv_p.adapter_pairs(), split_qkv(qkv_f.lora_B, cfg)):
+                a.copy_(qkv_f.lora_A)  # type: ignore[arg-type]
+                b.copy_(b_rows)
+            for (_, a, b), b_rows in zip(fc1_p.adapter_pairs(), split_gate_up(fc1_f.lora_B, cfg)):
+                a.copy_(fc1_f.lora_A)  # type: ignore[arg-type]
+                b.copy_(b_rows)
+    tokens = _tokens()[:, :-1]
+    base = GPTModel(cfg, seed=SEED)(tokens)
+    out_f, out_p = fused(tokens), parts(tokens)
+    assert (out_f - base).abs().max() > 1e-3  # the adapters do something
+    torch.testing.assert_close(out_p, out_f, rtol=1e-5, atol=1e-6)
+
+
+def test_part_adapters_merge_train_and_partial_targets() -> None:
+    cfg = _config(swiglu=True)
+    model = GPTModel(cfg, seed=SEED)
+    apply_lora([model], LoRAConfig(rank=4, target_modules=("linear_q", "linear_v", "linear_fc1_up")), SEED)
+    names = trainable_names(model)
+    assert sorted({n.rsplit(".", 1)[-1] for n in names}) == ["lora_A_q", "lora_A_up", "lora_A_v", "lora_B_q",
+                                                             "lora_B_up", "lora_B_v"]
+    shapes = {n.split(".", 3)[-1]: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad
+              and n.startswith("decoder.layers.0.")}
+    assert shapes["self_attention.linear_qkv.lora_B_q"] == (32, 4)  # 4 heads x 8
+    assert shapes["self_attention.linear_qkv.lora_B_v"] == (16, 4)  # 2 groups x 8
+    assert shapes["mlp.linear_fc1.lora_B_up"] == (128, 4)
+    _random_b(model, 2)
+    tokens = _tokens()[:, :-1]
+    before = model(tokens)
+    merge_lora(model)
+    torch.testing.assert_close(model(tokens), before, rtol=1e-5, atol=1e-5)
+    unmerge_lora(model)
+    torch.testing.assert_close(model(tokens), before, rtol=1e-5, atol=1e-5)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    _train(model, steps=2)
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], v) for n, v in frozen.items())
+    assert all(not torch.equal(params[n], v) for n, v in adapters.items())
+    # The k part (no adapter) stayed exactly the base: only q and v rows of the merged delta are non-zero.
+    qkv = target_linear(_layers(model)[0], "linear_qkv")
+    from peftckpt.model.fused import split_qkv
+
+    dq, dk, dv = split_qkv(qkv._delta_weight(), cfg)
+    assert dk.abs().max() == 0 and dq.abs().max() > 0 and dv.abs().max() > 0

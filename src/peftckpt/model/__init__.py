@@ -1,12 +1,15 @@
 """The GPT decoder and LoRA (no file I/O here)."""
 
-from .config import LORA_TARGETS, GPTConfig, LoRAConfig
+from .config import ALL_LORA_TARGETS, LORA_PART_TARGETS, LORA_TARGETS, GPTConfig, LoRAConfig
+from .fused import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from .gpt import GPTModel, TransformerLayer, gpt_loss, param_generator
 from .linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from .lora import apply_lora, freeze, merge_lora, trainable_names, unmerge_lora
 
 __all__ = [
-    "LORA_TARGETS", "GPTConfig", "LoRAConfig", "GPTModel", "TransformerLayer", "gpt_loss", "param_generator",
+    "ALL_LORA_TARGETS", "LORA_PART_TARGETS", "LORA_TARGETS", "GPTConfig", "LoRAConfig",
+    "fuse_gate_up", "fuse_qkv", "split_gate_up", "split_qkv",
+    "GPTModel", "TransformerLayer", "gpt_loss", "param_generator",
     "ColumnParallelLinear", "ParallelLinear", "RowParallelLinear",
     "apply_lora", "freeze", "merge_lora", "trainable_names", "unmerge_lora",
 ]

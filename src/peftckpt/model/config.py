@@ -6,10 +6,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GPTConfig", "LoRAConfig", "LORA_TARGETS"]
+__all__ = ["GPTConfig", "LoRAConfig", "LORA_TARGETS", "LORA_PART_TARGETS", "ALL_LORA_TARGETS"]
 
-#: Linear layers LoRA can be attached to, by their Megatron module name.
+#: Linear layers LoRA can be attached to, by their Megatron module name (one adapter per fused GEMM).
 LORA_TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+#: Parts of the fused layers that take an adapter of their own ("canonical" LoRA, as HF PEFT's separate
+#: q/k/v_proj and gate/up_proj): target -> (fused layer, part).
+LORA_PART_TARGETS: dict[str, tuple[str, str]] = {
+    "linear_q": ("linear_qkv", "q"), "linear_k": ("linear_qkv", "k"), "linear_v": ("linear_qkv", "v"),
+    "linear_fc1_gate": ("linear_fc1", "gate"), "linear_fc1_up": ("linear_fc1", "up"),
+}
+ALL_LORA_TARGETS: tuple[str, ...] = LORA_TARGETS + tuple(LORA_PART_TARGETS)
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,8 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on the adapter input (``--lora-dropout``)."""
     target_modules: tuple[str, ...] = LORA_TARGETS
-    """Which linear layers get an adapter (``--lora-target-modules``)."""
+    """Which linear layers get an adapter (``--lora-target-modules``): whole layers (``linear_qkv``, ...) or
+    parts of the fused ones (``linear_q``, ``linear_fc1_gate``, ...; see ``LORA_PART_TARGETS``)."""
     layers: tuple[int, ...] | None = None
     """Global layer numbers that get adapters; ``None`` = all (``--lora-layers``)."""
     train_params: tuple[str, ...] = field(default_factory=tuple)
@@ -133,11 +142,15 @@ class LoRAConfig:
             raise ValueError(f"--lora-rank must be positive, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
-        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        unknown = [t for t in self.target_modules if t not in ALL_LORA_TARGETS]
         if unknown:
             raise ValueError(
-                f"--lora-target-modules: unknown target(s) {unknown}; choose from {list(LORA_TARGETS)}"
+                f"--lora-target-modules: unknown target(s) {unknown}; choose from {list(ALL_LORA_TARGETS)}"
             )
+        for t in self.target_modules:
+            if t in LORA_PART_TARGETS and LORA_PART_TARGETS[t][0] in self.target_modules:
+                raise ValueError(f"--lora-target-modules: {t} is a part of {LORA_PART_TARGETS[t][0]}; "
+                                 "adapt the whole layer or its parts, not both")
         if not self.target_modules:
             raise ValueError("--lora-target-modules must name at least one module")
 

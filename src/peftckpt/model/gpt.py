@@ -101,7 +101,11 @@ class SelfAttention(nn.Module):
         hd, h = config.head_dim, config.hidden_size
         self.heads_per_group = config.num_attention_heads // config.groups
         self.local_groups = config.groups // tp.size
-        self.linear_qkv = ColumnParallelLinear(init.normal(f"{prefix}.linear_qkv.weight", (config.qkv_size, h)), tp)
+        heads, groups = config.num_attention_heads, config.groups
+        self.linear_qkv = ColumnParallelLinear(
+            init.normal(f"{prefix}.linear_qkv.weight", (config.qkv_size, h)), tp,
+            parts=(("q", heads * hd), ("k", groups * hd), ("v", groups * hd)), local_groups=self.local_groups,
+        )
         self.linear_proj = RowParallelLinear(
             init.output_proj(f"{prefix}.linear_proj.weight", (h, config.num_attention_heads * hd)), tp
         )
@@ -133,7 +137,8 @@ class MLP(nn.Module):
         h, f = config.hidden_size, config.ffn
         rows = 2 * f if self.swiglu else f
         self.linear_fc1 = ColumnParallelLinear(
-            init.normal(f"{prefix}.linear_fc1.weight", (rows, h)), tp, num_chunks=2 if self.swiglu else 1
+            init.normal(f"{prefix}.linear_fc1.weight", (rows, h)), tp, num_chunks=2 if self.swiglu else 1,
+            parts=(("gate", f), ("up", f)) if self.swiglu else (),
         )
         self.linear_fc2 = RowParallelLinear(init.output_proj(f"{prefix}.linear_fc2.weight", (h, f)), tp)
 

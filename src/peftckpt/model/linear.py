@@ -5,6 +5,12 @@ Column-parallel (``linear_qkv``, ``linear_fc1``): weight ``[out, in]`` sharded o
 Row-parallel (``linear_proj``, ``linear_fc2``): weight sharded on ``in``; LoRA A ``[r, in]`` sharded like
 the base input, B ``[out, r]`` replicated.
 
+A fused column-parallel layer (``linear_qkv`` = q, k, v; SwiGLU ``linear_fc1`` = gate, up) takes either one
+adapter over the whole fused output (``lora_A`` / ``lora_B``, Megatron's "performant" LoRA) or one adapter per
+part (``lora_A_q`` / ``lora_B_q``, ..., "canonical" LoRA, as HF PEFT has on separate ``q_proj`` / ``k_proj`` /
+``v_proj`` / ``gate_proj`` / ``up_proj``). A part's B is sharded on its rows like that part of the base
+output; the parts' outputs are interleaved back into the fused layout (per query group for QKV).
+
 Adapters are ordinary parameters with ``requires_grad=True`` on a base whose own parameters were frozen
 structurally (see :func:`peftckpt.model.lora.apply_lora`); nothing here looks at names.
 """
@@ -30,11 +36,17 @@ class ParallelLinear(nn.Module):
     lora_A: nn.Parameter | None
     lora_B: nn.Parameter | None
 
-    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel, shard_dim: int, num_chunks: int = 1):
+    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel, shard_dim: int, num_chunks: int = 1,
+                 parts: tuple[tuple[str, int], ...] = (), local_groups: int = 1):
         super().__init__()
         self.tp = tp
         self.out_features, self.in_features = full_weight.shape
         self.num_chunks = num_chunks
+        # Output parts of a fused layer, (name, global rows), in fused order; the local output is
+        # `local_groups` repetitions of [part_0 block, part_1 block, ...] (see `_assemble`).
+        self.parts = dict(parts)
+        self.local_groups = local_groups
+        self.part_adapters: list[str] = []
         self.weight = tp.make_param(full_weight, shard_dim, num_chunks)
         # Only a TP split interleaves the blocks; at TP = 1 the tensor already is [gate; up].
         if num_chunks > 1 and tp.size > 1:
@@ -49,43 +61,90 @@ class ParallelLinear(nn.Module):
     _a_shard_dim: int | None
     _b_shard_dim: int | None
 
-    def add_lora(self, rank: int, alpha: float, dropout: float, generator: torch.Generator) -> None:
-        """Attach a rank-``rank`` adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) (as PEFT), B = 0 (so step 0 = base)."""
-        if self.lora_A is not None:
-            raise RuntimeError("this layer already has a LoRA adapter")
+    def add_lora(self, rank: int, alpha: float, dropout: float, generator: torch.Generator,
+                 part: str | None = None) -> None:
+        """Attach a rank-``rank`` adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) (as PEFT), B = 0 (so step 0 = base).
+
+        ``part`` (``q``, ``k``, ``v``, ``gate``, ``up``) adapts one part of a fused output only; a layer holds
+        either one whole-output adapter or per-part adapters, all of the same rank and alpha."""
+        if self.lora_A is not None or (part is None and self.part_adapters) or part in self.part_adapters:
+            raise RuntimeError("this layer already has a LoRA adapter there")
+        if part is not None and part not in self.parts:
+            raise ValueError(f"no output part {part!r} in this layer (parts: {sorted(self.parts) or 'none'})")
+        if self.part_adapters and self.lora_scaling != alpha / rank:
+            raise ValueError("all adapters of one layer need the same rank and alpha")
         bound = 1.0 / math.sqrt(self.in_features)
         full_a = torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator)
-        full_b = torch.zeros(self.out_features, rank)
-        self.lora_A = self.tp.make_param(full_a, self._a_shard_dim)
-        self.lora_B = self.tp.make_param(full_b, self._b_shard_dim, self.num_chunks if self._b_shard_dim == 0 else 1)
-        if self.num_chunks > 1 and self._b_shard_dim == 0 and self.tp.size > 1:
-            declare_fused(self, "lora_B", FusedChunks(dim=0, num_chunks=self.num_chunks))
+        if part is None:
+            full_b = torch.zeros(self.out_features, rank)
+            self.lora_A = self.tp.make_param(full_a, self._a_shard_dim)
+            self.lora_B = self.tp.make_param(full_b, self._b_shard_dim,
+                                             self.num_chunks if self._b_shard_dim == 0 else 1)
+            if self.num_chunks > 1 and self._b_shard_dim == 0 and self.tp.size > 1:
+                declare_fused(self, "lora_B", FusedChunks(dim=0, num_chunks=self.num_chunks))
+        else:
+            # A part's rows are contiguous in its own tensor, so a plain row split matches the base's shards.
+            self.register_parameter(f"lora_A_{part}", self.tp.make_param(full_a, None))
+            self.register_parameter(f"lora_B_{part}", self.tp.make_param(torch.zeros(self.parts[part], rank), 0))
+            self.part_adapters = [p for p in self.parts if p in (*self.part_adapters, part)]
         self.lora_scaling = alpha / rank
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def adapter_pairs(self) -> list[tuple[str | None, nn.Parameter, nn.Parameter]]:
+        """``(part or None, A, B)`` of every adapter of this layer."""
+        if self.lora_A is not None and self.lora_B is not None:
+            return [(None, self.lora_A, self.lora_B)]
+        return [(p, getattr(self, f"lora_A_{p}"), getattr(self, f"lora_B_{p}")) for p in self.part_adapters]
+
+    def _assemble(self, deltas: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """Interleave per-part outputs (last dim = the part's local rows) into the fused local layout;
+        parts without an adapter contribute zeros."""
+        g = self.local_groups
+        blocks = []
+        for name, rows in self.parts.items():
+            local_rows = rows // self.tp.size
+            d = deltas.get(name)
+            if d is None:
+                d = like.new_zeros(*like.shape[:-1], local_rows)
+            blocks.append(d.reshape(*d.shape[:-1], g, local_rows // g))
+        out = torch.cat(blocks, dim=-1)
+        return out.reshape(*out.shape[:-2], -1)
+
+    def _delta_weight(self) -> torch.Tensor:
+        """``B @ A`` of the local shards, in the local layout of the weight (without the scaling)."""
+        pairs = self.adapter_pairs()
+        if pairs and pairs[0][0] is None:
+            _, a, b = pairs[0]
+            return local_tensor(b) @ local_tensor(a)
+        w = local_tensor(self.weight)
+        # [in, rows_p] per part, assembled on the last dim, transposed back to [out_local, in].
+        deltas = {p: (local_tensor(b) @ local_tensor(a)).t() for p, a, b in pairs}
+        return self._assemble(deltas, w.t()).t()
 
     @torch.no_grad()
     def merge_lora(self) -> None:
         """Fold ``scaling * B @ A`` into the weight (local shards only: no communication needed)."""
-        if self.lora_A is None or self.lora_B is None or self.merged:
+        if not self.adapter_pairs() or self.merged:
             return
-        w = local_tensor(self.weight)
-        w.add_(local_tensor(self.lora_B) @ local_tensor(self.lora_A), alpha=self.lora_scaling)
+        local_tensor(self.weight).add_(self._delta_weight(), alpha=self.lora_scaling)
         self.merged = True
 
     @torch.no_grad()
     def unmerge_lora(self) -> None:
         """Undo :meth:`merge_lora` (exact up to floating-point rounding)."""
-        if self.lora_A is None or self.lora_B is None or not self.merged:
+        if not self.adapter_pairs() or not self.merged:
             return
-        w = local_tensor(self.weight)
-        w.sub_(local_tensor(self.lora_B) @ local_tensor(self.lora_A), alpha=self.lora_scaling)
+        local_tensor(self.weight).sub_(self._delta_weight(), alpha=self.lora_scaling)
         self.merged = False
 
     def _adapter_active(self) -> bool:
-        return self.lora_A is not None and not self.merged
+        return (self.lora_A is not None or bool(self.part_adapters)) and not self.merged
 
     def extra_repr(self) -> str:
-        r = "" if self.lora_A is None else f", lora_rank={self.lora_A.shape[0]}"
+        pairs = self.adapter_pairs()
+        r = "" if not pairs else f", lora_rank={pairs[0][1].shape[0]}"
+        if pairs and pairs[0][0] is not None:
+            r += f", lora_parts={self.part_adapters}"
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}{r}"
 
 
@@ -95,18 +154,22 @@ class ColumnParallelLinear(ParallelLinear):
     _a_shard_dim = None
     _b_shard_dim = 0
 
-    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel, num_chunks: int = 1):
-        super().__init__(full_weight, tp, shard_dim=0, num_chunks=num_chunks)
+    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel, num_chunks: int = 1,
+                 parts: tuple[tuple[str, int], ...] = (), local_groups: int = 1):
+        super().__init__(full_weight, tp, shard_dim=0, num_chunks=num_chunks, parts=parts,
+                         local_groups=local_groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp)
         y = F.linear(x, local_tensor(self.weight))
         if self._adapter_active():
-            assert self.lora_A is not None and self.lora_B is not None
-            # A is replicated but only sees this rank's slice of the output gradient: sum it over TP.
-            a = copy_to_tp(local_tensor(self.lora_A), self.tp)
-            h = F.linear(self.lora_dropout(x), a)
-            y = y + self.lora_scaling * F.linear(h, local_tensor(self.lora_B))
+            deltas: dict[str, torch.Tensor] = {}
+            for part, a, b in self.adapter_pairs():
+                # A is replicated but only sees this rank's slice of the output gradient: sum it over TP.
+                h = F.linear(self.lora_dropout(x), copy_to_tp(local_tensor(a), self.tp))
+                deltas[part or ""] = F.linear(h, local_tensor(b))
+            delta = deltas[""] if "" in deltas else self._assemble(deltas, y)
+            y = y + self.lora_scaling * delta
         return y
 
 

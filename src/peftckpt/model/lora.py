@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from .config import LoRAConfig
+from .config import LORA_PART_TARGETS, LoRAConfig
 from .gpt import TransformerLayer, param_generator
 from .linear import ParallelLinear
 
@@ -19,7 +19,8 @@ __all__ = ["apply_lora", "merge_lora", "unmerge_lora", "freeze", "trainable_name
 
 
 def target_linear(layer: TransformerLayer, target: str) -> ParallelLinear:
-    """The linear layer of ``layer`` that a LoRA target names."""
+    """The linear layer of ``layer`` that a LoRA target names (a part target names its fused layer)."""
+    target = LORA_PART_TARGETS.get(target, (target, ""))[0]
     owners = {
         "linear_qkv": layer.self_attention,
         "linear_proj": layer.self_attention,
@@ -55,11 +56,19 @@ def apply_lora(chunks: Iterable[nn.Module], config: LoRAConfig, seed: int) -> li
             if config.layers is not None and module.layer_number not in config.layers:
                 continue
             for target in config.target_modules:
+                layer_name, part = LORA_PART_TARGETS.get(target, (target, None))
                 linear = target_linear(module, target)
-                full_name = f"{name}.{'self_attention' if target in ('linear_qkv', 'linear_proj') else 'mlp'}.{target}"
-                linear.add_lora(config.rank, config.alpha, config.dropout,
-                                param_generator(seed, full_name + ".lora_A"))
-                adapted.append(full_name)
+                owner = "self_attention" if layer_name in ("linear_qkv", "linear_proj") else "mlp"
+                full_name = f"{name}.{owner}.{layer_name}"
+                a_name = f"{full_name}.lora_A" + ("" if part is None else f"_{part}")
+                try:
+                    linear.add_lora(config.rank, config.alpha, config.dropout, param_generator(seed, a_name),
+                                    part=part)
+                except ValueError as e:
+                    raise ValueError(f"--lora-target-modules {target}: {e} (linear_fc1_gate / linear_fc1_up "
+                                     "need --swiglu)") from None
+                if full_name not in adapted:
+                    adapted.append(full_name)
         params = dict(chunk.named_parameters())
         for pname in config.train_params:
             if pname in params:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from ..model.config import LORA_TARGETS, GPTConfig, LoRAConfig
+from ..model.config import ALL_LORA_TARGETS, LORA_PART_TARGETS, LORA_TARGETS, GPTConfig, LoRAConfig
 from ..parallel.dims import ParallelDims
 
 __all__ = ["ArgumentError", "build_parser", "parse_train_args", "model_config", "lora_config", "parallel_dims"]
@@ -46,7 +46,9 @@ def _add_lora(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     g.add_argument("--lora-dropout", type=float, default=0.0)
     g.add_argument("--lora-target-modules", nargs="+", default=list(LORA_TARGETS), metavar="MODULE",
-                   help=f"any of {' '.join(LORA_TARGETS)}")
+                   help=f"any of {' '.join(ALL_LORA_TARGETS)}; linear_q/k/v and linear_fc1_gate/up give "
+                   "the parts of the fused layers an adapter each, as HF PEFT has (default: "
+                   f"{' '.join(LORA_TARGETS)})")
     g.add_argument("--lora-layers", nargs="+", type=int, default=None, metavar="N",
                    help="global layer numbers that get adapters (default: all)")
     g.add_argument("--lora-train-params", nargs="+", default=[], metavar="NAME",
@@ -167,6 +169,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         ) if value is not None]
         if given:
             raise ArgumentError(f"{', '.join(given)} need --lora-rank > 0 (LoRA is off at --lora-rank 0)")
+    gate_up = [t for t in args.lora_target_modules if LORA_PART_TARGETS.get(t, ("",))[0] == "linear_fc1"]
+    if args.lora_rank > 0 and gate_up and not cfg.swiglu:
+        raise ArgumentError(f"--lora-target-modules {' '.join(gate_up)} need --swiglu (a GELU linear_fc1 has "
+                            "no gate/up parts); target linear_fc1 instead")
     tp, pp = dims.tp, dims.pp
     if cfg.num_layers % dims.num_stages:
         raise ArgumentError(
