@@ -45,21 +45,9 @@ def _train(argv: Sequence[str]) -> int:
         if rank == 0:
             print(f"peftckpt train: error: {e}", file=sys.stderr)
         return 2
-    from .train.run import run_training
+    from .train.run import exit_multi_rank, run_training
 
     return exit_multi_rank(run_training(args, world_size, rank), world_size)
-
-
-def exit_multi_rank(code: int, world_size: int) -> int:
-    """After a multi-rank run whose process groups are destroyed, exit without interpreter finalisation.
-
-    Gloo's C++ threads torn down by static destructors there occasionally abort the process ("terminate
-    called without an active exception"), turning a finished run into a failure."""
-    if world_size > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -467,6 +467,13 @@ class Checkpointer:
                 )
         # 3.
         with_optim = options.load_optim and not model_only
+        if with_optim and self.optimizer is not None and OPTIMIZER not in manifest.sections:
+            # Recorded, not guessed: the manifest says the save left the optimizer out (--no-save-optim,
+            # import-peft). Its keys are not "missing"; the optimizer starts fresh, and we say so.
+            with_optim = False
+            if self.rank == 0:
+                warnings.warn(f"checkpoint {ckpt} was saved without optimizer state (--no-save-optim or an "
+                              "import): the optimizer starts fresh", stacklevel=2)
         request = self._request(manifest.trainable_only, with_optim)
         same_layout = {k: manifest.layout.get(k) for k in ("tp", "pp", "dp", "vpp")} == {
             k: self.layout.get(k) for k in ("tp", "pp", "dp", "vpp")}

@@ -7,8 +7,11 @@ into exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import warnings
 from collections.abc import Sequence
 
+from ..checkpoint.manifest import Manifest
 from ..model.config import ALL_LORA_TARGETS, LORA_PART_TARGETS, LORA_TARGETS, GPTConfig, LoRAConfig
 from ..parallel.dims import ParallelDims
 
@@ -226,8 +229,71 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     validate_checkpoint_args(args)
 
 
-def parse_train_args(argv: Sequence[str] | None, world_size: int) -> argparse.Namespace:
-    """Parse and validate; raises :class:`ArgumentError` (argparse's own errors exit 2 by themselves)."""
-    args = build_parser().parse_args(argv)
+#: Flags (argparse dests) that describe the architecture: the GPTConfig fields.
+MODEL_DESTS = tuple(f.name for f in dataclasses.fields(GPTConfig))
+#: LoRA flag dest -> LoRAConfig field.
+LORA_DESTS = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
+              "lora_target_modules": "target_modules", "lora_layers": "layers", "lora_train_params": "train_params"}
+_UNSET = object()
+
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The dests the command line sets explicitly (parsed again with every default replaced by a marker)."""
+    parser.set_defaults(**{a.dest: _UNSET for a in parser._actions if a.dest != "help"})
+    marked = parser.parse_args(argv)
+    return {k for k, v in vars(marked).items() if v is not _UNSET}
+
+
+def _manifest_of(path: str | None) -> Manifest | None:
+    """The manifest of the committed checkpoint ``path`` designates, or ``None`` if there is none (yet)."""
+    if not path:
+        return None
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.manifest import read_manifest
+    from ..checkpoint.storage_layout import resolve_checkpoint_dir
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return read_manifest(resolve_checkpoint_dir(path)[0])
+    except CheckpointError:
+        return None  # the load itself reports a missing or bad checkpoint, with its own flag semantics
+
+
+def apply_checkpoint_defaults(args: argparse.Namespace, given: set[str]) -> list[str]:
+    """Architecture flags not on the command line come from the manifest of ``--pretrained-checkpoint``
+    (else of ``--load``); LoRA flags, when ``--lora-rank`` is not given, from the ``--load`` checkpoint's
+    adapter config. Returns one note per source used. A flag given explicitly always wins (and a
+    mismatch with the checkpoint is then reported by the load)."""
+    notes = []
+    for flag, path in (("--pretrained-checkpoint", args.pretrained_checkpoint), ("--load", args.load)):
+        manifest = _manifest_of(path)
+        config = manifest.model_config if manifest is not None else {}
+        taken = [d for d in MODEL_DESTS if d not in given and d in config]
+        if taken:
+            for d in taken:
+                setattr(args, d, config[d])
+            notes.append(f"architecture flags from {flag} {path}: {', '.join(taken)}")
+            break
+    load_manifest = _manifest_of(args.load)
+    adapter = load_manifest.adapter_config if load_manifest is not None else None
+    if adapter and "lora_rank" not in given:
+        for dest, key in LORA_DESTS.items():
+            if dest not in given and key in adapter:
+                value = adapter[key]
+                setattr(args, dest, list(value) if isinstance(value, list | tuple) else value)
+        notes.append(f"LoRA flags from --load {args.load}: rank {args.lora_rank}, targets "
+                     f"{' '.join(args.lora_target_modules)}")
+    return notes
+
+
+def parse_train_args(argv: Sequence[str] | None, world_size: int,
+                     parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse and validate; raises :class:`ArgumentError` (argparse's own errors exit 2 by themselves).
+
+    ``args.checkpoint_defaults`` lists which flags were taken from checkpoint manifests."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    args.checkpoint_defaults = apply_checkpoint_defaults(args, _given(parser, argv))
     validate(args, world_size)
     return args

@@ -186,20 +186,22 @@ class Trainer:
         if self.eval_data is None or len(self.eval_data) == 0:
             return None
         sampler = GlobalBatchSampler(self.eval_data, self.args.global_batch_size, self.args.seed)
-        values = []
-        for _ in range(self.args.eval_iters):
-            local = dp_slice(sampler.next_global_batch(), self.meshes.dp_rank, self.dims.dp)
-            tokens, targets = local[:, :-1].contiguous(), local[:, 1:].contiguous()
-            with self._autocast():
-                if self.runner is not None:
-                    loss = self.runner.eval_step(tokens, targets)
-                else:
-                    (model,) = self.chunks
-                    loss = torch.stack([gpt_loss(model(t), g) for t, g in
-                                        zip(tokens.chunk(self.num_microbatches),
-                                            targets.chunk(self.num_microbatches))]).mean()
-            values.append(self._reduce_loss(loss))
-        return float(np.mean(values))
+        return float(np.mean([self.eval_batch(sampler.next_global_batch()) for _ in range(self.args.eval_iters)]))
+
+    @torch.no_grad()
+    def eval_batch(self, batch: torch.Tensor) -> float:
+        """Mean next-token loss of one global batch ``[global_batch, seq + 1]`` (forward only), on every rank."""
+        local = dp_slice(batch, self.meshes.dp_rank, self.dims.dp)
+        tokens, targets = local[:, :-1].contiguous(), local[:, 1:].contiguous()
+        with self._autocast():
+            if self.runner is not None:
+                loss = self.runner.eval_step(tokens, targets)
+            else:
+                (model,) = self.chunks
+                loss = torch.stack([gpt_loss(model(t), g) for t, g in
+                                    zip(tokens.chunk(self.num_microbatches),
+                                        targets.chunk(self.num_microbatches))]).mean()
+        return self._reduce_loss(loss)
 
     # ----------------------------------------------------------------------------------------- loop
     def iterations(self) -> Iterator[tuple[int, float]]:
@@ -223,6 +225,8 @@ class Trainer:
         or only convert a checkpoint (``--ckpt-convert-format``). Returns this run's per-iteration losses."""
         from .checkpointing import TrainerCheckpointing
 
+        for note in getattr(self.args, "checkpoint_defaults", []):
+            self.logger.info(note)
         ckpt = TrainerCheckpointing(self)
         ckpt.restore()
         if self.args.ckpt_convert_format:

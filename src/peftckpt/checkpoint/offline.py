@@ -1,0 +1,80 @@
+"""Read a ``torch_dist`` checkpoint's model tensors in one process, without a process group.
+
+Used by the offline tools (export to Hugging Face, inspection of values): every requested tensor is
+materialised at its *global* shape, whatever TP/PP/DP layout wrote it. Integrity and safety are the same as
+for a training load: the manifest's checksums are verified first (unless told not to), ``.metadata`` goes
+through the restricted unpickler and tensors load with ``weights_only``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..sharding.entries import global_tensor_of
+from .errors import CheckpointFormatError, CheckpointIntegrityError
+from .fingerprint import base_fingerprint
+from .manifest import Manifest, read_manifest, verify_files
+from .safe_pickle import SafeFileSystemReader
+from .sections import MODEL
+from .storage_layout import resolve_checkpoint_dir
+from .trainable import TORCH_DIST
+
+__all__ = ["OfflineCheckpoint", "open_checkpoint", "fingerprint_of"]
+
+
+@dataclass
+class OfflineCheckpoint:
+    """A resolved, verified checkpoint directory and its manifest."""
+
+    path: Path
+    iteration: int
+    manifest: Manifest
+
+    def model_tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """``{model name: global tensor}`` of the model section (all of it, or ``names``)."""
+        reader = SafeFileSystemReader(self.path)
+        metadata = reader.read_metadata()
+        prefix = MODEL + "."
+        available = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items()
+                     if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+        wanted = sorted(available) if names is None else names
+        absent = [n for n in wanted if n not in available]
+        if absent:
+            raise CheckpointFormatError(f"checkpoint {self.path} lacks model tensor(s) {absent[:10]}")
+        request = {}
+        for n in wanted:
+            md = available[n]
+            request[prefix + n] = torch.empty(md.size, dtype=md.properties.dtype)
+        if request:
+            dcp.load(request, storage_reader=reader, no_dist=True)
+        return {k[len(prefix):]: v for k, v in request.items()}
+
+
+def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
+                    what: str = "checkpoint") -> OfflineCheckpoint:
+    """Resolve ``path`` (a save directory via its tracker, or a checkpoint directory), read the manifest and
+    verify every file's checksum. ``what`` names the argument in error messages."""
+    ckpt, iteration = resolve_checkpoint_dir(path)
+    manifest = read_manifest(ckpt)
+    if manifest.format != TORCH_DIST:
+        raise CheckpointFormatError(
+            f"{what} {ckpt} is in the {manifest.format!r} format; the offline tools read torch_dist only: "
+            "convert it with `peftckpt train --load ... --ckpt-convert-format torch_dist --ckpt-convert-save DIR`")
+    if verify_checksums:
+        problems = verify_files(ckpt, manifest)
+        if problems:
+            raise CheckpointIntegrityError(f"{what} {ckpt} is damaged:\n  " + "\n  ".join(problems)
+                                           + "\n(--no-verify-checksums skips this check)")
+    return OfflineCheckpoint(ckpt, iteration, manifest)
+
+
+def fingerprint_of(tensors: dict[str, torch.Tensor]) -> str:
+    """The base fingerprint (as stored in adapter manifests) of global model tensors keyed by model name."""
+    return base_fingerprint({f"{MODEL}.{k}": global_tensor_of(v, requires_grad=False) for k, v in tensors.items()},
+                            distributed=False)
