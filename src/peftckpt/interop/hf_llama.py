@@ -146,7 +146,7 @@ def hf_to_gpt(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, source: str) -> di
             out[f"{our_linear_of(n, 'linear_qkv')}.weight"] = fuse_qkv(q, k, v, cfg)
             out[f"{our_linear_of(n, 'linear_fc1')}.weight"] = fuse_gate_up(gate, up, cfg)
         except ValueError as e:
-            raise InteropError(f"{source}: layer {n}: {e}") from None
+            raise InteropError(f"{source}: layer {n}: {e} (as {CONFIG_FILE} describes the model)") from None
     # Rotary inverse frequencies are derived, not weights; anything else unused means a different model.
     extra = sorted(k for k in hf if k not in used and not k.endswith("rotary_emb.inv_freq")
                    and not (k == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights))

@@ -63,8 +63,8 @@ def adapter_to_peft(tensors: Mapping[str, torch.Tensor], cfg: GPTConfig, lora: L
 
     def put(layer: int, proj: str, a: torch.Tensor, b: torch.Tensor) -> None:
         module = _PREFIX + hf_module_of(layer, proj)
-        out[f"{module}.lora_A.weight"] = a.contiguous()
-        out[f"{module}.lora_B.weight"] = b.contiguous()
+        out[f"{module}.lora_A.weight"] = a.clone()  # shared by q/k/v (gate/up): one copy each
+        out[f"{module}.lora_B.weight"] = b.clone()
         projections.add(proj)
         layers.add(layer)
 
