@@ -118,7 +118,7 @@ class ParallelLinear(nn.Module):
             return local_tensor(b) @ local_tensor(a)
         w = local_tensor(self.weight)
         # [in, rows_p] per part, assembled on the last dim, transposed back to [out_local, in].
-        deltas = {p: (local_tensor(b) @ local_tensor(a)).t() for p, a, b in pairs}
+        deltas = {p or "": (local_tensor(b) @ local_tensor(a)).t() for p, a, b in pairs}
         return self._assemble(deltas, w.t()).t()
 
     @torch.no_grad()
