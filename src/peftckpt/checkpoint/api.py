@@ -9,12 +9,13 @@ from __future__ import annotations
 import copy
 import os
 import secrets
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,6 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..sharding.entries import GlobalTensor
 from . import legacy
@@ -36,7 +36,7 @@ from .errors import (
 )
 from .faults import fault_point
 from .fingerprint import base_fingerprint
-from .manifest import Manifest, checksum_files, read_manifest, verify_files
+from .manifest import ChecksummingFileSystem, Manifest, checksum_files, read_manifest, verify_files
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import SafeFileSystemReader
 from .sections import (
@@ -116,21 +116,8 @@ class _PendingCommit:
     object_names: list[str]
     args: dict[str, Any]
     future: Future[Any] | None = None
-
-
-class _NoStaging(AsyncStager):
-    """The state handed to ``async_save`` is already a private host copy: nothing more to stage."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
+    checksums: ChecksummingFileSystem | None = None
+    """Digests of the DCP files, taken while they were written."""
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -286,20 +273,32 @@ class Checkpointer:
         staging = Path(staging_name)
         self._barrier()
         # 3.
+        release: threading.Event | None = None
         commit = _PendingCommit(save=save, staging=staging, iteration=iteration, kept=kept, excluded=excluded,
                                 fingerprint=fingerprint, options=options, object_names=list((objects or {}).keys()),
                                 args=dict(args or {}))
         try:
             if options.ckpt_format == TORCH_DIST:
                 writer = FileSystemWriter(staging, sync_files=True, thread_count=1)
+                # Checksum each file as it is written (overlapping serialisation, I/O and hashing).
+                writer.fs = commit.checksums = ChecksummingFileSystem()
                 planner = EntrySavePlanner(on_item=lambda: fault_point("data", self.rank, iteration))
                 if options.async_save:
-                    # Training is blocked only for this copy to host memory; DCP plans and writes in a thread.
-                    snapshot = {k: v.snapshot() if isinstance(v, GlobalTensor) else copy.deepcopy(v)
-                                for k, v in flat.items()}
-                    commit.future = cast(Future, dcp.async_save(
-                        snapshot, storage_writer=writer, planner=planner, process_group=self._async_group(),
-                        async_stager=_NoStaging()))
+                    # Training is blocked only for the copy to host memory; DCP plans and writes in a thread
+                    # of its own (plain `dcp.save` there: `dcp.async_save` would still walk every entry on
+                    # this thread before handing over).
+                    snapshot = self._host_copy(flat)
+                    group = self._async_group()
+                    # The thread starts writing once this call returns, not competing with its end for the GIL.
+                    release = threading.Event()
+
+                    def write() -> Any:
+                        release.wait()
+                        return dcp.save(snapshot, storage_writer=writer, planner=planner, process_group=group)
+
+                    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
+                    commit.future = executor.submit(write)
+                    executor.shutdown(wait=False)  # its one thread ends with the save
                     self._pending = commit
                     error = None
                 else:
@@ -314,7 +313,11 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = _unwrap(e)
             self._pending = None
-        self._agree(error, f"saving iteration {iteration} to {save} failed")
+        try:
+            self._agree(error, f"saving iteration {iteration} to {save} failed")
+        finally:
+            if release is not None:
+                release.set()
         if self._pending is None:
             self._commit(commit)
         return save / f"iter_{iteration:07d}"
@@ -327,6 +330,14 @@ class Checkpointer:
         if self._async_pg is None:
             self._async_pg = dist.new_group(backend="gloo")
         return self._async_pg
+
+    def _host_copy(self, flat: Mapping[str, Any]) -> dict[str, Any]:
+        """Private copies of a save's entries for the background write: tensors into host buffers kept
+        from the previous async save (free again: at most one save is in flight), other values deep-copied.
+        The buffers stay allocated between saves -- the size of what an async save writes."""
+        previous: dict[str, GlobalTensor] = getattr(self, "_host_buffers", {})
+        self._host_buffers = {k: v.snapshot(previous.get(k)) for k, v in flat.items() if isinstance(v, GlobalTensor)}
+        return {k: self._host_buffers[k] if isinstance(v, GlobalTensor) else copy.deepcopy(v) for k, v in flat.items()}
 
     @property
     def save_in_flight(self) -> bool:
@@ -366,7 +377,8 @@ class Checkpointer:
             written = [own] if own.is_file() and self.coords.get("dp", 0) == 0 else []
         else:
             written = sorted(c.staging.glob(f"__{self.rank}_*"))
-        records = self._gather((checksum_files(written, c.staging), c.kept, c.excluded))
+        checksum = checksum_files if c.checksums is None else c.checksums.checksums
+        records = self._gather((checksum(written, c.staging), c.kept, c.excluded))
         fault_point("before_manifest", self.rank, c.iteration)
         error: BaseException | None = None
         try:
@@ -380,7 +392,7 @@ class Checkpointer:
                     excluded_keys.update(x)
                 others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix()
                           not in files]
-                files.update(checksum_files(others, c.staging))
+                files.update(checksum(others, c.staging))
                 sections = list(model_section_names(len(self.chunks)))
                 if c.options.save_optim and self.optimizer is not None:
                     sections.append(OPTIMIZER)

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import io
 import json
 import os
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Generator, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 import peftckpt
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
@@ -37,6 +42,7 @@ __all__ = [
     "read_manifest",
     "checksum_file",
     "checksum_files",
+    "ChecksummingFileSystem",
     "verify_files",
 ]
 
@@ -291,6 +297,173 @@ def checksum_files(
     return {
         _relpath(p, root_path): {"size": p.stat().st_size, "checksum": d} for p, d in zip(abs_paths, digests)
     }
+
+
+_PUBLISH_BYTES = 8 * 1024 * 1024
+"""How much a writer buffers before it hands a new file length to the hashing thread."""
+
+
+class _TailHasher:
+    """Hashes a file while another thread writes it: reads up to the length the writer published (the
+    bytes come back from the page cache), waits for more, stops at the final length."""
+
+    def __init__(self, path: Path, algorithm: str):
+        self.path = path
+        self._digest = hashlib.new(algorithm)
+        self._cond = threading.Condition()
+        self._published = 0
+        self._final: int | None = None
+        self._hashed = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"checksum {path.name}", daemon=True)
+        self._thread.start()
+
+    def publish(self, length: int, final: bool = False) -> None:
+        with self._cond:
+            self._published = max(self._published, length)
+            if final:
+                self._final = length
+            self._cond.notify()
+
+    def _run(self) -> None:
+        buf = bytearray(HASH_BLOCK_BYTES)
+        view = memoryview(buf)
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            self._error = e
+            return
+        try:
+            while True:
+                with self._cond:
+                    while self._published <= self._hashed and self._final is None:
+                        self._cond.wait()
+                    target, final = self._published, self._final
+                while self._hashed < target:
+                    n = os.preadv(fd, [view[:min(len(buf), target - self._hashed)]], self._hashed)
+                    if n == 0:
+                        raise OSError(f"{self.path} is shorter than the {target} bytes written")
+                    self._digest.update(view[:n])
+                    self._hashed += n
+                if final is not None and self._hashed >= final:
+                    return
+        except BaseException as e:  # noqa: BLE001 - reported by result(); the caller re-hashes
+            self._error = e
+        finally:
+            os.close(fd)
+
+    def result(self) -> tuple[int, str] | None:
+        """``(length, hex digest)`` once the writer closed the file, or ``None`` if hashing failed."""
+        self._thread.join()
+        if self._error is not None or self._final is None:
+            return None
+        return self._final, self._digest.hexdigest()
+
+
+class _PublishingStream(io.RawIOBase):
+    """A write stream that tells its :class:`_TailHasher` how much of the file is on the OS side."""
+
+    def __init__(self, raw: io.BufferedWriter, hasher: _TailHasher):
+        super().__init__()
+        self._raw = raw
+        self._hasher = hasher
+        self._unpublished = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = self._raw.write(b)
+        self._unpublished += n
+        if self._unpublished >= _PUBLISH_BYTES:
+            self.flush()
+        return n
+
+    def flush(self) -> None:
+        if self._raw.closed:
+            return
+        self._raw.flush()
+        # DCP flushes after every item; waking the hasher for each small one would only trade the GIL.
+        if self._unpublished >= _PUBLISH_BYTES:
+            self._unpublished = 0
+            self._hasher.publish(self._raw.tell())
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._raw.flush()
+        finally:
+            self._raw.close()
+            super().close()
+
+
+class ChecksummingFileSystem(FileSystem):
+    """The file system of a DCP ``FileSystemWriter`` that checksums each file *while* it is written.
+
+    Every ``create_stream(path, "wb")`` starts a thread that reads the file back as the writer publishes
+    its length and hashes it, so serialising, writing, fsync and hashing overlap instead of following one
+    another (a full save hashes at about disk speed, see the module docstring). :meth:`checksums` gives the
+    records of :func:`checksum_files`; a file it did not see written in full is hashed afresh.
+    """
+
+    def __init__(self, algorithm: str = CHECKSUM_ALGORITHM):
+        super().__init__()
+        self.algorithm = algorithm
+        self._hashers: dict[Path, _TailHasher] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        target = Path(path).absolute()
+        with open(target, "wb") as raw:
+            hasher = _TailHasher(target, self.algorithm)
+            with self._lock:
+                self._hashers[target] = hasher
+            stream = _PublishingStream(raw, hasher)
+            try:
+                yield cast(io.IOBase, stream)
+            finally:
+                stream.close()
+                try:
+                    size = target.stat().st_size
+                except OSError:
+                    size = -1  # gone: checksums() will not trust this digest
+                hasher.publish(size, final=True)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            hasher = self._hashers.pop(Path(path).absolute(), None)
+            if hasher is not None:
+                self._hashers[Path(new_path).absolute()] = hasher
+
+    def checksums(self, paths: Iterable[str | os.PathLike[str]], root: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+        """Like :func:`checksum_files`, from the digests taken while writing where there is one."""
+        root_path = Path(root)
+        out: dict[str, dict[str, Any]] = {}
+        rest = []
+        for p in map(Path, paths):
+            p = (p if p.is_absolute() else root_path / p).absolute()
+            with self._lock:
+                hasher = self._hashers.get(p)
+            done = None if hasher is None else hasher.result()
+            if done is not None and done[0] == p.stat().st_size:
+                out[_relpath(p, root_path.absolute())] = {"size": done[0], "checksum": done[1]}
+            else:
+                rest.append(p)
+        out.update(checksum_files(rest, root_path.absolute(), self.algorithm))
+        return out
 
 
 def _files_on_disk(root: Path) -> set[str]:
