@@ -24,8 +24,11 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
+bench: venv
+	$(BIN)/python bench/ckpt_bench.py
+
 lint: venv
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests scripts bench
 	$(BIN)/mypy
 
 clean:
