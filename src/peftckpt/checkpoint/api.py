@@ -11,7 +11,7 @@ import os
 import secrets
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +153,8 @@ class Checkpointer:
         self._fingerprint: str | None = None
         self._pending: _PendingCommit | None = None
         self._async_pg: dist.ProcessGroup | None = None
+        self._host_buffers: dict[str, GlobalTensor] = {}
+        """Host copies of the last async save's mutable tensors, reused by the next one."""
 
     # -------------------------------------------------------------------------------- collectives
     def _gather(self, obj: Any) -> list[Any]:
@@ -287,14 +289,16 @@ class Checkpointer:
                     # Training is blocked only for the copy to host memory; DCP plans and writes in a thread
                     # of its own (plain `dcp.save` there: `dcp.async_save` would still walk every entry on
                     # this thread before handing over).
-                    snapshot = self._host_copy(flat)
+                    snapshot, check_frozen_unchanged = self._host_copy(flat)
                     group = self._async_group()
                     # The thread starts writing once this call returns, not competing with its end for the GIL.
                     release = threading.Event()
 
                     def write() -> Any:
                         release.wait()
-                        return dcp.save(snapshot, storage_writer=writer, planner=planner, process_group=group)
+                        result = dcp.save(snapshot, storage_writer=writer, planner=planner, process_group=group)
+                        check_frozen_unchanged()
+                        return result
 
                     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
                     commit.future = executor.submit(write)
@@ -331,13 +335,33 @@ class Checkpointer:
             self._async_pg = dist.new_group(backend="gloo")
         return self._async_pg
 
-    def _host_copy(self, flat: Mapping[str, Any]) -> dict[str, Any]:
-        """Private copies of a save's entries for the background write: tensors into host buffers kept
-        from the previous async save (free again: at most one save is in flight), other values deep-copied.
-        The buffers stay allocated between saves -- the size of what an async save writes."""
-        previous: dict[str, GlobalTensor] = getattr(self, "_host_buffers", {})
-        self._host_buffers = {k: v.snapshot(previous.get(k)) for k, v in flat.items() if isinstance(v, GlobalTensor)}
-        return {k: self._host_buffers[k] if isinstance(v, GlobalTensor) else copy.deepcopy(v) for k, v in flat.items()}
+    def _host_copy(self, flat: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
+        """The entries of an async save, safe to write while training goes on, and a check to run once
+        they are written.
+
+        Tensors training updates in place (trainable parameters, optimizer state, buffers) are copied into
+        host buffers kept from the previous async save (free again: at most one save is in flight; they stay
+        allocated between saves, the size of the copied state). Frozen parameters are written from live
+        memory -- training never writes to them, and with a frozen base they are most of the bytes -- and the
+        check raises if any of them was modified in place before the write ended (the save is then
+        discarded, the previous checkpoint kept). Other values are deep-copied."""
+        previous = self._host_buffers
+        self._host_buffers = {k: v.snapshot(previous.get(k)) for k, v in flat.items()
+                              if isinstance(v, GlobalTensor) and not v.frozen}
+        versions = [(k, p.tensor, p.tensor._version) for k, v in flat.items() if isinstance(v, GlobalTensor)
+                    and v.frozen for p in v.pieces]
+        state = {k: v if isinstance(v, GlobalTensor) and v.frozen else
+                 self._host_buffers[k] if isinstance(v, GlobalTensor) else copy.deepcopy(v) for k, v in flat.items()}
+
+        def check_frozen_unchanged() -> None:
+            changed = sorted({k for k, t, version in versions if t._version != version})
+            if changed:
+                raise CheckpointError(
+                    f"{len(changed)} frozen parameter(s) were modified in place while an async save was writing "
+                    f"them ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}): the save is discarded. "
+                    "Keep frozen weights unchanged (e.g. merge_lora) until Checkpointer.wait() returns")
+
+        return state, check_frozen_unchanged
 
     @property
     def save_in_flight(self) -> bool:
@@ -462,6 +486,7 @@ class Checkpointer:
             4. Read (DCP resharding, or the legacy per-rank files at the same layout).
         """
         options = options or LoadOptions()
+        self.wait()  # an async save in flight is committed first: it may be the checkpoint asked for
         # 1.
         ckpt, iteration, manifest = self._resolve(path, options.verify_checksums)
         # 2.
@@ -578,6 +603,7 @@ class Checkpointer:
         parameter the base does not have is an error -- it would silently stay random.
         """
         options = options or LoadOptions()
+        self.wait()  # the in-flight async save may be writing the base from live memory
         ckpt, _, manifest = self._resolve(path, options.verify_checksums)
         if manifest.trainable_only:
             raise CheckpointFormatError(

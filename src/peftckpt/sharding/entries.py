@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
@@ -37,13 +38,17 @@ class GlobalTensor:
     """This rank's pieces of one global tensor (possibly none, e.g. on a rank without it)."""
 
     def __init__(self, global_shape: Sequence[int], dtype: torch.dtype, pieces: Sequence[Piece],
-                 requires_grad: bool = False, replicated: bool = False):
+                 requires_grad: bool = False, replicated: bool = False, frozen: bool = False):
         self.global_shape = torch.Size(global_shape)
         self.dtype = dtype
         self.pieces = list(pieces)
         self.requires_grad = requires_grad
         self.replicated = replicated
         """Every rank holding it holds the whole tensor (written once, by DCP's dedup)."""
+        self.frozen = frozen
+        """A parameter that does not train (``requires_grad=False``): training never writes to it, so an
+        async save may write it from live memory instead of a private copy (buffers and optimizer state,
+        which training does update in place, are never ``frozen``)."""
 
     # DCP's load planner compares this with the saved global size.
     def size(self) -> torch.Size:
@@ -66,7 +71,7 @@ class GlobalTensor:
             buffers = [torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device="cpu", pin_memory=p.tensor.is_cuda)
                        for p in self.pieces]
         pieces = [Piece(p.offsets, buf.copy_(p.tensor)) for p, buf in zip(self.pieces, buffers)]
-        return GlobalTensor(self.global_shape, self.dtype, pieces, self.requires_grad, self.replicated)
+        return GlobalTensor(self.global_shape, self.dtype, pieces, self.requires_grad, self.replicated, self.frozen)
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         return [
@@ -109,15 +114,17 @@ def global_tensor_of(t: torch.Tensor, fused: FusedChunks | None = None,
     """Describe a plain tensor (replicated), a DTensor (its shard), or a block-wise TP-sharded fused
     parameter (see :mod:`peftckpt.sharding.layout`) as a :class:`GlobalTensor` in canonical layout."""
     rg = bool(t.requires_grad if requires_grad is None else requires_grad)
+    frozen = isinstance(t, nn.Parameter) and not t.requires_grad
     if not isinstance(t, DTensor):
-        return GlobalTensor(t.shape, t.dtype, [Piece((0,) * t.ndim, _local_view(t))], rg, replicated=True)
+        return GlobalTensor(t.shape, t.dtype, [Piece((0,) * t.ndim, _local_view(t))], rg, replicated=True,
+                            frozen=frozen)
     if any(p.is_partial() for p in t.placements):
         raise ValueError("cannot checkpoint a DTensor with Partial placement")
     local = _local_view(t)
     _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     replicated = not any(isinstance(p, Shard) for p in t.placements)
     if fused is None or fused.num_chunks == 1 or replicated:
-        return GlobalTensor(t.shape, t.dtype, [Piece(tuple(offsets), local)], rg, replicated)
+        return GlobalTensor(t.shape, t.dtype, [Piece(tuple(offsets), local)], rg, replicated, frozen)
     # Interleaved global offset `off` of a local block [c_0 | c_1 | ...] along `dim` maps to
     # canonical offset c * (G / k) + off / k for its c-th piece.
     k, dim = fused.num_chunks, fused.dim
@@ -127,4 +134,4 @@ def global_tensor_of(t: torch.Tensor, fused: FusedChunks | None = None,
         off = list(offsets)
         off[dim] = c * (total // k) + offsets[dim] // k
         pieces.append(Piece(tuple(off), piece))
-    return GlobalTensor(t.shape, t.dtype, pieces, rg, replicated=False)
+    return GlobalTensor(t.shape, t.dtype, pieces, rg, replicated=False, frozen=frozen)
