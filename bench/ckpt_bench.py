@@ -254,9 +254,10 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
             ctx.barrier()
         return (lambda i: raw_write(raw_file(kind, i), sizes[kind], block) if ctx.rank == 0 else None), before
 
-    def load(kind: str, verify: bool) -> Step:
+    def load(kind: str, verify: bool, while_reading: bool = True) -> Step:
         model_only = kind == "model_only"
-        lo = LoadOptions(load_optim=not model_only, load_rng=not model_only, verify_checksums=verify)
+        lo = LoadOptions(load_optim=not model_only, load_rng=not model_only, verify_checksums=verify,
+                         verify_while_reading=while_reading)
         return (lambda i: ck.load(ours_path(kind), lo)), (lambda i: dirs.evict(ours_path(kind), args.cache))
 
     def raw_read_step(kind: str) -> Step:
@@ -296,6 +297,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
         p.name.startswith(f"__{ctx.rank}_") or (ctx.rank == 0 and not p.name.startswith("__"))))
     full_loads = ctx.rounds(n, {
         "ours_full": load("full", True),
+        "ours_full_verify_first": load("full", True, while_reading=False),
         "ours_full_noverify": load("full", False),
         "raw_full": raw_read_step("full"),
         "checksum": ((lambda i: checksum_files(files, ours_path("full"))), None),
@@ -308,6 +310,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
                                 "load": loads[f"ours_{kind}"].to_dict(),
                                 "load_noverify": loads[f"ours_{kind}_noverify"].to_dict()}
     rows["ours_full"]["checksum"] = full_loads["checksum"].to_dict()
+    rows["ours_full"]["load_verify_first"] = full_loads["ours_full_verify_first"].to_dict()
     rows["bare_full"] = {"save": full["bare_full"].to_dict(), "bytes": dir_bytes(dirs.path("bare-False", n - 1))}
     rows["bare_trainable"] = {"save": small["bare_trainable"].to_dict(),
                               "bytes": dir_bytes(dirs.path("bare-True", n - 1))}
@@ -326,7 +329,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
     for kind in ("full", "trainable"):
         dirs.drop(raw_file(kind, n - 1))
     out["async"] = measure_async(args, ctx, dirs, b)
-    ck.__dict__.pop("_host_buffers", None)  # the async save's host copies (a model's worth after a full one)
+    ck._host_buffers = {}  # the async saves' host copies of the mutable state
     gc.collect()
     return out
 

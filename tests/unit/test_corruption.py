@@ -67,13 +67,22 @@ def test_damage_is_detected_and_named(pristine: Path, tmp_path: Path, name: str,
     assert verify_main([str(ckpt)]) != 0
     out = capsys.readouterr()
     assert expected in out.err + out.out
-    # load: an error naming the file, and the target model untouched
+    # load, everything verified before anything is read: an error naming the file, the model untouched
     target, model = _checkpointer(seed=1)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(CheckpointError) as info:
-        target.load(ckpt, LoadOptions(objects=["iteration"]))
+        target.load(ckpt, LoadOptions(objects=["iteration"], verify_while_reading=False))
     assert expected in str(info.value)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # load with the data files hashed while they are read (the default): the same error; only damage that
+    # presence and size checks cannot see (a flipped byte in a data file) is found after the read
+    after_read = name.endswith(".distcp") and damage == "bit-flipped"
+    with pytest.raises(CheckpointError) as info:
+        target.load(ckpt, LoadOptions(objects=["iteration"]))
+    assert expected in str(info.value)
+    assert ("the model and optimizer may hold values from them" in str(info.value)) == after_read
+    if not after_read:
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_pristine_checkpoint_verifies_and_loads(pristine: Path) -> None:

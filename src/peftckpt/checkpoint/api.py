@@ -36,7 +36,16 @@ from .errors import (
 )
 from .faults import fault_point
 from .fingerprint import base_fingerprint
-from .manifest import ChecksummingFileSystem, Manifest, checksum_files, read_manifest, verify_files
+from .manifest import (
+    ChecksummingFileSystem,
+    Manifest,
+    checksum_files,
+    files_share,
+    is_data_file,
+    read_manifest,
+    verify_checksums,
+    verify_files,
+)
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import SafeFileSystemReader
 from .sections import (
@@ -87,6 +96,12 @@ class LoadOptions:
     load_rng: bool = True
     strictness: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED
     verify_checksums: bool = True
+    verify_while_reading: bool = True
+    """Hash the data files while DCP reads them (the read and the hashing overlap; the file is read from disk
+    once). A damaged file is still reported, naming it, but after the model and optimizer received values
+    from it. False verifies every file before anything is read (e.g. to hot-swap an adapter into a model
+    that must stay intact if the new one is damaged). Presence, sizes and the small files (manifest, DCP
+    metadata) are always checked first."""
     verify_base: bool = True
     objects: Sequence[str] = ()
     """Names of object sections to read back (iteration, opt_param_scheduler, ...)."""
@@ -100,6 +115,14 @@ class LoadResult:
     objects: dict[str, Any] = field(default_factory=dict)
     report: KeyReport = field(default_factory=KeyReport)
     rng_restored: bool = False
+
+
+@dataclass
+class _Verify:
+    """The checksums of this rank's share of a checkpoint's data files, hashed while a load reads them."""
+
+    ckpt: Path
+    future: Future[list[str]] | None = None
 
 
 @dataclass
@@ -439,18 +462,35 @@ class Checkpointer:
         self._agree(error, f"committing iteration {c.iteration} to {c.save} failed")
 
     # -------------------------------------------------------------------------------------- load
-    def _resolve(self, path: str | os.PathLike[str], verify: bool) -> tuple[Path, int, Manifest]:
+    def _resolve(self, path: str | os.PathLike[str], options: LoadOptions) -> tuple[Path, int, Manifest, _Verify]:
+        """Directory, iteration and manifest of a committed checkpoint, its files verified (collective):
+        presence, sizes and the small files now; with ``verify_while_reading`` the checksums of the data
+        files in a background thread, finished by :meth:`_read`."""
         ckpt, iteration = resolve_checkpoint_dir(path)
         manifest = read_manifest(ckpt)
-        if verify:
-            problems = verify_files(ckpt, manifest, shard=(self.rank, self.world))
-            all_problems = [p for ps in self._gather(problems) for p in ps]
-            if all_problems:
-                raise CheckpointIntegrityError(
-                    f"checkpoint {ckpt} is damaged:\n  " + "\n  ".join(all_problems)
-                    + "\n(--no-verify-checksums skips this check)"
-                )
-        return ckpt, iteration, manifest
+        pending = _Verify(ckpt)
+        if options.verify_checksums:
+            shard = (self.rank, self.world)
+            later = options.verify_while_reading and manifest.format == TORCH_DIST
+            problems = verify_files(ckpt, manifest, shard, hash_if=(lambda rel: not is_data_file(rel)) if later else None)
+            self._raise_if_damaged(pending, problems)
+            if later:
+                rels = [rel for rel in files_share(manifest, shard) if is_data_file(rel)]
+                executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-verify")
+                pending.future = executor.submit(verify_checksums, ckpt, manifest, rels)
+                executor.shutdown(wait=False)
+        return ckpt, iteration, manifest, pending
+
+    def _raise_if_damaged(self, v: _Verify, problems: list[str], after_read: bool = False) -> None:
+        """Raise :class:`CheckpointIntegrityError` on every rank if any rank found a damaged file."""
+        all_problems = [p for ps in self._gather(problems) for p in ps]
+        if all_problems:
+            raise CheckpointIntegrityError(
+                f"checkpoint {v.ckpt} is damaged:\n  " + "\n  ".join(all_problems)
+                + "\n(--no-verify-checksums skips this check)"
+                + ("\nits data files were checked while they were read, so the model and optimizer may hold "
+                   "values from them: load again from an intact checkpoint" if after_read else "")
+            )
 
     def _check_architecture(self, manifest: Manifest, ckpt: Path) -> None:
         diffs = [f"  {k}: checkpoint {manifest.model_config.get(k)!r}, model {v!r}"
@@ -479,16 +519,17 @@ class Checkpointer:
         """Load a committed checkpoint into the chunks (and optimizer); returns iteration, objects, report.
 
         Steps:
-            1. Resolve the directory (tracker), read the manifest, verify checksums (split over ranks).
+            1. Resolve the directory (tracker), read the manifest, verify the files (split over ranks; the
+               data files' checksums in a thread, while step 4 reads them).
             2. Check the architecture; for a trainable-only checkpoint check the base fingerprint.
             3. Build the request -- filtered like the save for a trainable-only checkpoint -- and apply the
                strictness mode against the checkpoint's keys.
-            4. Read (DCP resharding, or the legacy per-rank files at the same layout).
+            4. Read (DCP resharding, or the legacy per-rank files at the same layout); finish the checksums.
         """
         options = options or LoadOptions()
         self.wait()  # an async save in flight is committed first: it may be the checkpoint asked for
         # 1.
-        ckpt, iteration, manifest = self._resolve(path, options.verify_checksums)
+        ckpt, iteration, manifest, verification = self._resolve(path, options)
         # 2.
         self._check_architecture(manifest, ckpt)
         if manifest.trainable_only and options.verify_base and not model_only:
@@ -563,7 +604,7 @@ class Checkpointer:
         for k in wanted_objects:
             request[k] = None
         # 4.
-        self._read(request, reader)
+        self._read(request, reader, verification)
         objects = {k: request[k] for k in wanted_objects}
         for k, (chunk, name) in extra.items():
             chunk.load_state_dict({name: objects.pop(k)}, strict=False)
@@ -587,13 +628,16 @@ class Checkpointer:
                           "RNG state is re-seeded instead of restored", stacklevel=2)
         return LoadResult(ckpt, iteration, manifest, objects, report, rng_restored=load_rng)
 
-    def _read(self, request: dict[str, Any], reader: SafeFileSystemReader) -> None:
-        """``dcp.load`` the request in place; a failure on any rank is raised on every rank."""
+    def _read(self, request: dict[str, Any], reader: SafeFileSystemReader, verification: _Verify) -> None:
+        """``dcp.load`` the request in place, then finish the checksums started by :meth:`_resolve`; a
+        failure on any rank is raised on every rank (a damaged file first: it explains a failed read)."""
         error: BaseException | None = None
         try:
             dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner())
         except BaseException as e:  # noqa: BLE001 - reported collectively
             error = _unwrap(e)
+        if verification.future is not None:
+            self._raise_if_damaged(verification, verification.future.result(), after_read=True)
         self._agree(error)
 
     def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
@@ -604,7 +648,7 @@ class Checkpointer:
         """
         options = options or LoadOptions()
         self.wait()  # the in-flight async save may be writing the base from live memory
-        ckpt, _, manifest = self._resolve(path, options.verify_checksums)
+        ckpt, _, manifest, verification = self._resolve(path, options)
         if manifest.trainable_only:
             raise CheckpointFormatError(
                 f"--pretrained-checkpoint {ckpt} is an adapter-only checkpoint (saved with "
@@ -626,6 +670,6 @@ class Checkpointer:
         self._agree(error)
         for k in absent:
             request.pop(k)
-        self._read(request, reader)
+        self._read(request, reader, verification)
         self._fingerprint = None  # the base changed
         return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))

@@ -20,7 +20,7 @@ import io
 import json
 import os
 import threading
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -44,6 +44,9 @@ __all__ = [
     "checksum_files",
     "ChecksummingFileSystem",
     "verify_files",
+    "verify_checksums",
+    "files_share",
+    "is_data_file",
 ]
 
 FORMAT_VERSION = 1
@@ -474,11 +477,37 @@ def _files_on_disk(root: Path) -> set[str]:
     return found
 
 
-def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, shard: tuple[int, int] | None = None) -> list[str]:
+def is_data_file(rel: str) -> bool:
+    """A DCP shard data file (``__<rank>_<n>.distcp``): the bulk of a checkpoint's bytes, read by tensor
+    loads only -- unlike ``.metadata`` and the manifest, which must be intact before anything is read."""
+    return rel.endswith(".distcp")
+
+
+def files_share(manifest: Manifest, shard: tuple[int, int] | None) -> list[str]:
+    """The recorded files that ``shard=(i, n)`` checks: every n-th one (sorted) starting at i; all for None."""
+    return [rel for pos, rel in enumerate(sorted(manifest.files)) if shard is None or pos % shard[1] == shard[0]]
+
+
+def _checksum_problems(root: Path, manifest: Manifest, rels: list[str]) -> dict[str, str]:
+    got = checksum_files(rels, root, manifest.checksum_algorithm)
+    problems = {}
+    for rel in rels:
+        expected = manifest.files[rel]["checksum"]
+        if got[rel]["checksum"] != expected:
+            problems[rel] = (
+                f"{root / rel}: {manifest.checksum_algorithm} checksum mismatch: expected {expected}, "
+                f"got {got[rel]['checksum']}"
+            )
+    return problems
+
+
+def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, shard: tuple[int, int] | None = None,
+                 hash_if: Callable[[str], bool] | None = None) -> list[str]:
     """Check the files of ``ckpt_dir`` against ``manifest.files``; one message per bad file.
 
     ``shard=(i, n)`` checks only every n-th recorded file starting at i (so n ranks split the work) and
-    reports unlisted files only for ``i == 0``.
+    reports unlisted files only for ``i == 0``. ``hash_if(rel)`` false: that file is checked for presence
+    and size only, its checksum left to :func:`verify_checksums` (e.g. while a load reads it).
 
     Reported: a recorded file that is missing, a size mismatch (truncated or extended, expected vs got),
     a checksum mismatch, and a file on disk the manifest does not list (the manifest itself excepted).
@@ -491,9 +520,8 @@ def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, shard: tu
         return [f"{root}: manifest uses checksum algorithm {manifest.checksum_algorithm!r}, unknown here"]
     problems: dict[str, str] = {}
     to_hash = []
-    for pos, (rel, rec) in enumerate(sorted(manifest.files.items())):
-        if shard is not None and pos % shard[1] != shard[0]:
-            continue
+    for rel in files_share(manifest, shard):
+        rec = manifest.files[rel]
         path = root / rel
         try:
             size = path.stat().st_size
@@ -503,17 +531,16 @@ def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, shard: tu
         if size != rec["size"]:
             kind = "truncated" if size < rec["size"] else "extended"
             problems[rel] = f"{path}: size mismatch ({kind}): expected {rec['size']} bytes, got {size}"
-        else:
+        elif hash_if is None or hash_if(rel):
             to_hash.append(rel)
-    got = checksum_files(to_hash, root, manifest.checksum_algorithm)
-    for rel in to_hash:
-        expected = manifest.files[rel]["checksum"]
-        if got[rel]["checksum"] != expected:
-            problems[rel] = (
-                f"{root / rel}: {manifest.checksum_algorithm} checksum mismatch: expected {expected}, "
-                f"got {got[rel]['checksum']}"
-            )
+    problems.update(_checksum_problems(root, manifest, to_hash))
     unlisted = set() if shard is not None and shard[0] != 0 else _files_on_disk(root)
     for rel in sorted(unlisted - manifest.files.keys() - {MANIFEST_FILENAME}):
         problems[rel] = f"{root / rel}: unexpected file, not listed in the manifest"
+    return [problems[rel] for rel in sorted(problems)]
+
+
+def verify_checksums(ckpt_dir: str | os.PathLike[str], manifest: Manifest, rels: Iterable[str]) -> list[str]:
+    """The checksum half of :func:`verify_files` for recorded files ``rels`` already checked for size."""
+    problems = _checksum_problems(Path(ckpt_dir), manifest, sorted(rels))
     return [problems[rel] for rel in sorted(problems)]

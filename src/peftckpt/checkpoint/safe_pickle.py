@@ -28,6 +28,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, UnsafeCheckpointError
+from peftckpt.checkpoint.readahead import ReadAhead
 
 __all__ = ["ALLOWED_GLOBALS", "RestrictedUnpickler", "load_dcp_metadata", "SafeFileSystemReader"]
 
@@ -119,11 +121,21 @@ def load_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
 class _SafeBytesPlanner:
     """Proxy of a ``LoadPlanner`` whose ``load_bytes`` only ever sees weights_only-loaded objects."""
 
-    def __init__(self, planner: LoadPlanner, reader: SafeFileSystemReader) -> None:
+    def __init__(self, planner: LoadPlanner, reader: SafeFileSystemReader,
+                 on_item: Callable[[ReadItem], None] | None = None) -> None:
         self._planner = planner
         self._reader = reader
+        self._on_item = on_item
+        """Called as the reader hands each item over (read-ahead progress)."""
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        if self._on_item is not None:
+            self._on_item(read_item)
+        return self._planner.resolve_tensor(read_item)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        if self._on_item is not None:
+            self._on_item(read_item)
         try:
             obj = torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
@@ -168,8 +180,20 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Base ``read_data`` with bytes items checked by ``torch.load(weights_only=True)``."""
-        return super().read_data(plan, cast(LoadPlanner, _SafeBytesPlanner(planner, self)))
+        """Base ``read_data`` with bytes items checked by ``torch.load(weights_only=True)``, and the byte
+        ranges it reads fetched ahead of it (:class:`~peftckpt.checkpoint.readahead.ReadAhead`)."""
+        # The base class reads file by file (in order of first appearance in the plan), items in plan order.
+        per_file: dict[str, list[tuple[int, int]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+        schedule = [(Path(str(self.fs.concat_path(self.path, rel))), offset, length)
+                    for rel, ranges in per_file.items() for offset, length in ranges]
+        with ReadAhead(schedule) as ahead:
+            def on_item(item: ReadItem) -> None:
+                ahead.consumed(self.storage_data[item.storage_index].length)
+
+            return super().read_data(plan, cast(LoadPlanner, _SafeBytesPlanner(planner, self, on_item)))
 
     def describe_item(self, read_item: ReadItem) -> str:
         """``'<fqn>' in <file>`` for error messages."""
