@@ -103,7 +103,7 @@ def test_bench_one_process_then_rerender(tmp_path: Path) -> None:
     assert list(work.iterdir()) == []  # the run's checkpoints are gone
     # --from-json measures nothing and prints the same report
     again = _bench(["--from-json", str(out), "--output", str(tmp_path / "again.json")])
-    table = proc.stdout[proc.stdout.index("| what |"):proc.stdout.index("[bench] wrote")].strip()
+    table = proc.stdout[proc.stdout.index("model: "):proc.stdout.index("[bench] wrote")].strip()
     assert again.stdout.strip() == table
     assert json.loads((tmp_path / "again.json").read_text())["targets"] == r["targets"]
 
