@@ -39,7 +39,7 @@ from _peers import HFPeft, PlainDCP, TorchSave, hf_available
 from _report import report
 from _timing import RAW_BLOCK_BYTES, Ctx, Stat, dir_bytes, evict, machine_info, raw_read, raw_write, rmtree
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions, _no_zip_crc32
-from peftckpt.checkpoint.manifest import checksum_files
+from peftckpt.checkpoint.checksums import checksum_files
 from peftckpt.checkpoint.planners import EntrySavePlanner
 from peftckpt.checkpoint.sections import ensure_optimizer_state
 from peftckpt.checkpoint.trainable import TORCH_DIST

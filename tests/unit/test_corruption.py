@@ -113,7 +113,7 @@ def test_crafted_metadata_is_refused_by_verify_and_load(pristine: Path, tmp_path
     md.planner_data = {"x": _Payload(marker)}
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     # re-record the manifest's checksum of the crafted file, as an attacker would
-    from peftckpt.checkpoint.manifest import checksum_files
+    from peftckpt.checkpoint.checksums import checksum_files
 
     manifest = json.loads((ckpt / "metadata.json").read_text())
     manifest.pop("manifest_sha256")

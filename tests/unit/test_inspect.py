@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from peftckpt.checkpoint.api import Checkpointer, SaveOptions
+from peftckpt.checkpoint.checksums import checksum_files
 from peftckpt.checkpoint.inspect import (
     COMMITTED,
     CORRUPTED,
@@ -27,7 +28,6 @@ from peftckpt.checkpoint.inspect import (
     inspect_path,
     render_text,
 )
-from peftckpt.checkpoint.manifest import checksum_files
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.storage_layout import new_staging_dir, write_tracker
 
@@ -277,7 +277,7 @@ def _truncate(p: Path) -> None:
 
 
 @pytest.mark.parametrize(("damage", "expected", "cheap_detects"), [
-    (_flip, "{f}: sha256 checksum mismatch: expected ", False),
+    (_flip, "{f}: xxh3_128 checksum mismatch: expected ", False),
     (_truncate, "{f}: size mismatch (truncated): expected {n} bytes, got {h}", True),
     (Path.unlink, "{f}: missing (expected {n} bytes)", True),
 ], ids=["bit-flipped", "truncated", "deleted"])

@@ -7,19 +7,19 @@ import json
 from pathlib import Path
 
 import pytest
+import xxhash
 
 import peftckpt
-from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
-from peftckpt.checkpoint.manifest import (
+from peftckpt.checkpoint.checksums import (
     CHECKSUM_ALGORITHM,
-    FORMAT_VERSION,
     HASH_BLOCK_BYTES,
-    Manifest,
+    ChecksummingFileSystem,
     checksum_file,
     checksum_files,
-    read_manifest,
     verify_files,
 )
+from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
+from peftckpt.checkpoint.manifest import FORMAT_VERSION, Manifest, read_manifest
 from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
 
 
@@ -57,7 +57,7 @@ def test_defaults_and_round_trip(tmp_path: Path) -> None:
     m = _manifest(files={"a": {"size": 1, "checksum": "00"}})
     assert m.format_version == FORMAT_VERSION == 1
     assert m.library_version == peftckpt.__version__
-    assert m.checksum_algorithm == CHECKSUM_ALGORITHM == "sha256"
+    assert m.checksum_algorithm == CHECKSUM_ALGORITHM == "xxh3_128"
     data = m.to_json()
     assert data == m.to_json()  # stable
     assert list(json.loads(data)) == sorted(json.loads(data))  # sorted keys
@@ -111,15 +111,31 @@ def test_bad_json_and_missing_manifest(tmp_path: Path) -> None:
         read_manifest(tmp_path)
 
 
-def test_checksum_matches_hashlib_across_blocks(tmp_path: Path) -> None:
+def test_checksum_matches_xxh3_and_hashlib_across_blocks(tmp_path: Path) -> None:
     data = bytes(range(256)) * (HASH_BLOCK_BYTES // 256) + b"tail"  # spans two blocks
     f = tmp_path / "big"
     f.write_bytes(data)
-    assert checksum_file(f) == hashlib.sha256(data).hexdigest()
+    assert checksum_file(f) == xxhash.xxh3_128(data).hexdigest()
     assert checksum_files([f], tmp_path) == {
-        "big": {"size": len(data), "checksum": hashlib.sha256(data).hexdigest()}
+        "big": {"size": len(data), "checksum": xxhash.xxh3_128(data).hexdigest()}
     }
+    assert checksum_file(f, "sha256") == hashlib.sha256(data).hexdigest()
     assert checksum_files([], tmp_path) == {}
+
+
+def test_checksums_taken_while_writing_equal_a_read_back(tmp_path: Path) -> None:
+    fs = ChecksummingFileSystem()
+    chunks = [b"x" * 10, memoryview(bytes(range(256)) * 4), bytearray(b"tail")]
+    with fs.create_stream(tmp_path / "a.tmp", "wb") as stream:
+        for chunk in chunks:
+            stream.write(chunk)
+    fs.rename(tmp_path / "a.tmp", tmp_path / "a")  # DCP writes .metadata this way
+    (tmp_path / "b").write_bytes(b"written elsewhere")  # not seen: hashed from disk
+    with fs.create_stream(tmp_path / "c", "wb") as stream:
+        stream.write(b"seen")
+    (tmp_path / "c").write_bytes(b"changed after")  # the size differs from what was seen: hashed afresh
+    assert fs.checksums([tmp_path / "a", Path("b"), tmp_path / "c"], tmp_path) == \
+        checksum_files([tmp_path / "a", tmp_path / "b", tmp_path / "c"], tmp_path)
 
 
 def test_intact_checkpoint_verifies(tmp_path: Path) -> None:
@@ -154,8 +170,23 @@ def test_flipped_byte(tmp_path: Path) -> None:
     problems = verify_files(ckpt, manifest)
     assert len(problems) == 1
     assert problems[0].startswith(
-        f"{path}: sha256 checksum mismatch: expected {manifest.files['__0_0.distcp']['checksum']}"
+        f"{path}: xxh3_128 checksum mismatch: expected {manifest.files['__0_0.distcp']['checksum']}"
     )
+
+
+def test_a_sha256_manifest_still_verifies(tmp_path: Path) -> None:
+    ckpt, manifest = _ckpt(tmp_path)
+    files = checksum_files([ckpt / p for p in manifest.files], ckpt, "sha256")
+    old = _manifest(files=files, checksum_algorithm="sha256")
+    assert verify_files(ckpt, old) == []
+    (ckpt / "sub" / "x.bin").write_bytes(b"HELLO")
+    assert verify_files(ckpt, old)[0].startswith(f"{ckpt / 'sub' / 'x.bin'}: sha256 checksum mismatch")
+
+
+def test_unknown_checksum_algorithm(tmp_path: Path) -> None:
+    ckpt, manifest = _ckpt(tmp_path)
+    assert verify_files(ckpt, _manifest(files=manifest.files, checksum_algorithm="crc99")) == [
+        f"{ckpt}: unknown checksum algorithm 'crc99'"]
 
 
 def test_deleted_and_extra_files(tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from peftckpt.checkpoint.checksums import checksum_files
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError
-from peftckpt.checkpoint.manifest import Manifest, checksum_files
+from peftckpt.checkpoint.manifest import Manifest
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.storage_layout import commit_staging, new_staging_dir
 from peftckpt.checkpoint.verify import verify_checkpoint, verify_main
@@ -71,11 +72,11 @@ def test_corrupted_shard_is_reported(tmp_path: Path, capsys: pytest.CaptureFixtu
     shard.write_bytes(bytes(data))
     report = verify_checkpoint(tmp_path)
     assert not report.ok
-    assert len(report.problems) == 1 and report.problems[0].startswith(f"{shard}: sha256 checksum mismatch")
+    assert len(report.problems) == 1 and report.problems[0].startswith(f"{shard}: xxh3_128 checksum mismatch")
 
     assert verify_main([str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert f"{shard}: sha256 checksum mismatch" in err and "FAILED" in err
+    assert f"{shard}: xxh3_128 checksum mismatch" in err and "FAILED" in err
     assert verify_main([str(tmp_path), "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["problems"] == report.problems
 

@@ -28,6 +28,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ..sharding.entries import GlobalTensor
 from . import legacy
+from .checksums import (
+    ChecksummingFileSystem,
+    checksum_files,
+    files_share,
+    is_data_file,
+    verify_checksums,
+    verify_files,
+)
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -37,16 +45,7 @@ from .errors import (
 )
 from .faults import fault_point
 from .fingerprint import base_fingerprint
-from .manifest import (
-    ChecksummingFileSystem,
-    Manifest,
-    checksum_files,
-    files_share,
-    is_data_file,
-    read_manifest,
-    verify_checksums,
-    verify_files,
-)
+from .manifest import Manifest, read_manifest
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import SafeFileSystemReader
 from .sections import (
@@ -149,7 +148,7 @@ def _no_zip_crc32() -> Iterator[None]:
     """``torch.save`` without the zip CRC32 of each record, for the DCP write of a blocking save.
 
     DCP frames every stored tensor with ``torch.save``, whose CRC32 (miniz, ~2.5 GB/s) is a fifth to a third of
-    a large save's time. The manifest's SHA-256 of every file already covers those bytes, and ``torch.load``
+    a large save's time. The manifest's checksum of every file already covers those bytes, and ``torch.load``
     reads records without a CRC. The switch is process-wide, so it is only flipped while the caller is
     blocked in the save (an async save keeps the CRC: training, and maybe its own ``torch.save``, goes on).
     """

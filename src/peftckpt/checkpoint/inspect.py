@@ -791,7 +791,7 @@ states: committed (manifest valid, files intact), uncommitted (staging directory
 missing/truncated/altered, or a pickle refused by the restricted unpickler). Nothing from the
 checkpoint is ever executed.
 
-cost: by default every file of the inspected checkpoint is re-read and SHA-256-hashed, like a
+cost: by default every file of the inspected checkpoint is re-read and hashed, like a
 load does (about disk speed: seconds for an adapter, minutes for a 100 GB full checkpoint).
 --no-verify-checksums only compares file presence and sizes with the manifest and reads just
 the metadata. The other directories of a save directory are always checked that cheap way.

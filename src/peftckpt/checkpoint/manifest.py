@@ -1,52 +1,32 @@
-"""The JSON manifest of a checkpoint (never pickle), and the file checksums it records.
+"""The JSON manifest of a checkpoint (never pickle).
 
 The manifest is ``<ckpt>/metadata.json``; :mod:`peftckpt.checkpoint.storage_layout` writes it last, so
 its presence means "committed". It records what was saved and how (DESIGN.md §4.1) plus the size and
-checksum of every other file of the checkpoint, which :func:`verify_files` checks.
-
-Checksum algorithm: SHA-256. Measured here (one 256 MiB buffer hashed in 8 MiB blocks, best of 3, this
-x86 CPU with SHA extensions, Python 3.11): sha256 1155 MiB/s, sha1 1236, blake2b 453, md5 466,
-blake2s 309, zlib.crc32 2760, zlib.adler32 1886. CRC32 is ~2.4x faster but a 32-bit non-cryptographic
-code (and adler32 is weak on short or sparse changes); SHA-256 is the fastest *robust* stdlib choice on
-hardware with SHA extensions, detects deliberate tampering too, and is parallelised across files with a
-thread pool (hashlib releases the GIL on large updates), so it runs at about disk speed.
+checksum of every other file of the checkpoint (:mod:`peftckpt.checkpoint.checksums` computes and checks
+them), and a SHA-256 of itself.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-import io
 import json
 import os
-import threading
-from collections.abc import Callable, Generator, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, cast
-
-from torch.distributed.checkpoint.filesystem import FileSystem
+from typing import Any
 
 import peftckpt
+from peftckpt.checkpoint.checksums import CHECKSUM_ALGORITHM
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
 from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
 
 __all__ = [
     "FORMAT_VERSION",
     "KNOWN_FORMATS",
-    "CHECKSUM_ALGORITHM",
-    "HASH_BLOCK_BYTES",
     "Manifest",
     "read_manifest",
-    "checksum_file",
-    "checksum_files",
-    "ChecksummingFileSystem",
-    "verify_files",
-    "verify_checksums",
-    "files_share",
-    "is_data_file",
 ]
 
 FORMAT_VERSION = 1
@@ -54,14 +34,6 @@ FORMAT_VERSION = 1
 
 KNOWN_FORMATS = ("torch_dist", "torch")
 """Checkpoint formats: ``torch_dist`` (DCP directory) and ``torch`` (legacy per-rank ``.pt`` files)."""
-
-CHECKSUM_ALGORITHM = "sha256"
-"""hashlib name of the checksum written into new manifests (see the module docstring for why)."""
-
-HASH_BLOCK_BYTES = 8 * 1024 * 1024
-"""Read size while hashing: large enough to amortise syscalls, small enough to stay in cache."""
-
-_MAX_HASH_THREADS = 8
 
 
 def _now_iso() -> str:
@@ -96,7 +68,7 @@ class Manifest:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Every other file of the checkpoint: POSIX relative path -> ``{"size": int, "checksum": str}``."""
     checksum_algorithm: str = CHECKSUM_ALGORITHM
-    """hashlib name of the algorithm behind ``files[...]["checksum"]``."""
+    """Algorithm behind ``files[...]["checksum"]``: ``xxh3_128`` or a hashlib name (older checkpoints: sha256)."""
     args: dict[str, Any] = field(default_factory=dict)
     """Free-form run arguments (JSON-serialisable)."""
     format_version: int = FORMAT_VERSION
@@ -263,284 +235,3 @@ def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
             f"{ckpt_dir} is not a committed peftckpt checkpoint: it has no {MANIFEST_FILENAME}"
         ) from None
     return Manifest.from_json(data, path)
-
-
-# ------------------------------------------------------------------------------------------ checksums
-
-
-def checksum_file(path: str | os.PathLike[str], algorithm: str = CHECKSUM_ALGORITHM) -> str:
-    """Hex digest of a file, read in :data:`HASH_BLOCK_BYTES` blocks into one reused buffer."""
-    digest = hashlib.new(algorithm)
-    buf = bytearray(HASH_BLOCK_BYTES)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
-def _relpath(path: Path, root: Path) -> str:
-    return path.relative_to(root).as_posix()
-
-
-def checksum_files(
-    paths: Iterable[str | os.PathLike[str]],
-    root: str | os.PathLike[str],
-    algorithm: str = CHECKSUM_ALGORITHM,
-) -> dict[str, dict[str, Any]]:
-    """``{relpath: {"size", "checksum"}}`` for ``paths`` (absolute, or relative to ``root``), hashed in
-    parallel threads. Relative paths use ``/`` whatever the OS."""
-    root_path = Path(root)
-    abs_paths = sorted({p if p.is_absolute() else root_path / p for p in map(Path, paths)})
-    if not abs_paths:
-        return {}
-    workers = max(1, min(len(abs_paths), os.cpu_count() or 1, _MAX_HASH_THREADS))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = list(pool.map(lambda p: checksum_file(p, algorithm), abs_paths))
-    return {
-        _relpath(p, root_path): {"size": p.stat().st_size, "checksum": d} for p, d in zip(abs_paths, digests)
-    }
-
-
-_PUBLISH_BYTES = 8 * 1024 * 1024
-"""How much a writer buffers before it hands a new file length to the hashing thread."""
-
-
-class _TailHasher:
-    """Hashes a file while another thread writes it: reads up to the length the writer published (the
-    bytes come back from the page cache), waits for more, stops at the final length."""
-
-    def __init__(self, path: Path, algorithm: str):
-        self.path = path
-        self._digest = hashlib.new(algorithm)
-        self._cond = threading.Condition()
-        self._published = 0
-        self._final: int | None = None
-        self._hashed = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"checksum {path.name}", daemon=True)
-        self._thread.start()
-
-    def publish(self, length: int, final: bool = False) -> None:
-        with self._cond:
-            self._published = max(self._published, length)
-            if final:
-                self._final = length
-            self._cond.notify()
-
-    def _run(self) -> None:
-        buf = bytearray(HASH_BLOCK_BYTES)
-        view = memoryview(buf)
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError as e:
-            self._error = e
-            return
-        try:
-            while True:
-                with self._cond:
-                    while self._published <= self._hashed and self._final is None:
-                        self._cond.wait()
-                    target, final = self._published, self._final
-                while self._hashed < target:
-                    n = os.preadv(fd, [view[:min(len(buf), target - self._hashed)]], self._hashed)
-                    if n == 0:
-                        raise OSError(f"{self.path} is shorter than the {target} bytes written")
-                    self._digest.update(view[:n])
-                    self._hashed += n
-                if final is not None and self._hashed >= final:
-                    return
-        except BaseException as e:  # noqa: BLE001 - reported by result(); the caller re-hashes
-            self._error = e
-        finally:
-            os.close(fd)
-
-    def result(self) -> tuple[int, str] | None:
-        """``(length, hex digest)`` once the writer closed the file, or ``None`` if hashing failed."""
-        self._thread.join()
-        if self._error is not None or self._final is None:
-            return None
-        return self._final, self._digest.hexdigest()
-
-
-class _PublishingStream(io.RawIOBase):
-    """A write stream that tells its :class:`_TailHasher` how much of the file is on the OS side."""
-
-    def __init__(self, raw: io.BufferedWriter, hasher: _TailHasher):
-        super().__init__()
-        self._raw = raw
-        self._hasher = hasher
-        self._unpublished = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        n = self._raw.write(b)
-        self._unpublished += n
-        if self._unpublished >= _PUBLISH_BYTES:
-            self.flush()
-        return n
-
-    def flush(self) -> None:
-        if self._raw.closed:
-            return
-        self._raw.flush()
-        # DCP flushes after every item; waking the hasher for each small one would only trade the GIL.
-        if self._unpublished >= _PUBLISH_BYTES:
-            self._unpublished = 0
-            self._hasher.publish(self._raw.tell())
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self._raw.flush()
-        finally:
-            self._raw.close()
-            super().close()
-
-
-class ChecksummingFileSystem(FileSystem):
-    """The file system of a DCP ``FileSystemWriter`` that checksums each file *while* it is written.
-
-    Every ``create_stream(path, "wb")`` starts a thread that reads the file back as the writer publishes
-    its length and hashes it, so serialising, writing, fsync and hashing overlap instead of following one
-    another (a full save hashes at about disk speed, see the module docstring). :meth:`checksums` gives the
-    records of :func:`checksum_files`; a file it did not see written in full is hashed afresh.
-    """
-
-    def __init__(self, algorithm: str = CHECKSUM_ALGORITHM):
-        super().__init__()
-        self.algorithm = algorithm
-        self._hashers: dict[Path, _TailHasher] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        target = Path(path).absolute()
-        with open(target, "wb") as raw:
-            hasher = _TailHasher(target, self.algorithm)
-            with self._lock:
-                self._hashers[target] = hasher
-            stream = _PublishingStream(raw, hasher)
-            try:
-                yield cast(io.IOBase, stream)
-            finally:
-                stream.close()
-                try:
-                    size = target.stat().st_size
-                except OSError:
-                    size = -1  # gone: checksums() will not trust this digest
-                hasher.publish(size, final=True)
-
-    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        super().rename(path, new_path)
-        with self._lock:
-            hasher = self._hashers.pop(Path(path).absolute(), None)
-            if hasher is not None:
-                self._hashers[Path(new_path).absolute()] = hasher
-
-    def checksums(self, paths: Iterable[str | os.PathLike[str]], root: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-        """Like :func:`checksum_files`, from the digests taken while writing where there is one."""
-        root_path = Path(root)
-        out: dict[str, dict[str, Any]] = {}
-        rest = []
-        for p in map(Path, paths):
-            p = (p if p.is_absolute() else root_path / p).absolute()
-            with self._lock:
-                hasher = self._hashers.get(p)
-            done = None if hasher is None else hasher.result()
-            if done is not None and done[0] == p.stat().st_size:
-                out[_relpath(p, root_path.absolute())] = {"size": done[0], "checksum": done[1]}
-            else:
-                rest.append(p)
-        out.update(checksum_files(rest, root_path.absolute(), self.algorithm))
-        return out
-
-
-def _files_on_disk(root: Path) -> set[str]:
-    found = set()
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            found.add(_relpath(Path(dirpath) / name, root))
-    return found
-
-
-def is_data_file(rel: str) -> bool:
-    """A DCP shard data file (``__<rank>_<n>.distcp``): the bulk of a checkpoint's bytes, read by tensor
-    loads only -- unlike ``.metadata`` and the manifest, which must be intact before anything is read."""
-    return rel.endswith(".distcp")
-
-
-def files_share(manifest: Manifest, shard: tuple[int, int] | None) -> list[str]:
-    """The recorded files that ``shard=(i, n)`` checks: every n-th one (sorted) starting at i; all for None."""
-    return [rel for pos, rel in enumerate(sorted(manifest.files)) if shard is None or pos % shard[1] == shard[0]]
-
-
-def _checksum_problems(root: Path, manifest: Manifest, rels: list[str]) -> dict[str, str]:
-    got = checksum_files(rels, root, manifest.checksum_algorithm)
-    problems = {}
-    for rel in rels:
-        expected = manifest.files[rel]["checksum"]
-        if got[rel]["checksum"] != expected:
-            problems[rel] = (
-                f"{root / rel}: {manifest.checksum_algorithm} checksum mismatch: expected {expected}, "
-                f"got {got[rel]['checksum']}"
-            )
-    return problems
-
-
-def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, shard: tuple[int, int] | None = None,
-                 hash_if: Callable[[str], bool] | None = None) -> list[str]:
-    """Check the files of ``ckpt_dir`` against ``manifest.files``; one message per bad file.
-
-    ``shard=(i, n)`` checks only every n-th recorded file starting at i (so n ranks split the work) and
-    reports unlisted files only for ``i == 0``. ``hash_if(rel)`` false: that file is checked for presence
-    and size only, its checksum left to :func:`verify_checksums` (e.g. while a load reads it).
-
-    Reported: a recorded file that is missing, a size mismatch (truncated or extended, expected vs got),
-    a checksum mismatch, and a file on disk the manifest does not list (the manifest itself excepted).
-    An empty list means the checkpoint's files are intact.
-    """
-    root = Path(ckpt_dir)
-    try:
-        hashlib.new(manifest.checksum_algorithm)
-    except ValueError:
-        return [f"{root}: manifest uses checksum algorithm {manifest.checksum_algorithm!r}, unknown here"]
-    problems: dict[str, str] = {}
-    to_hash = []
-    for rel in files_share(manifest, shard):
-        rec = manifest.files[rel]
-        path = root / rel
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problems[rel] = f"{path}: missing (expected {rec['size']} bytes)"
-            continue
-        if size != rec["size"]:
-            kind = "truncated" if size < rec["size"] else "extended"
-            problems[rel] = f"{path}: size mismatch ({kind}): expected {rec['size']} bytes, got {size}"
-        elif hash_if is None or hash_if(rel):
-            to_hash.append(rel)
-    problems.update(_checksum_problems(root, manifest, to_hash))
-    unlisted = set() if shard is not None and shard[0] != 0 else _files_on_disk(root)
-    for rel in sorted(unlisted - manifest.files.keys() - {MANIFEST_FILENAME}):
-        problems[rel] = f"{root / rel}: unexpected file, not listed in the manifest"
-    return [problems[rel] for rel in sorted(problems)]
-
-
-def verify_checksums(ckpt_dir: str | os.PathLike[str], manifest: Manifest, rels: Iterable[str]) -> list[str]:
-    """The checksum half of :func:`verify_files` for recorded files ``rels`` already checked for size."""
-    problems = _checksum_problems(Path(ckpt_dir), manifest, sorted(rels))
-    return [problems[rel] for rel in sorted(problems)]

@@ -17,9 +17,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..sharding.entries import global_tensor_of
+from .checksums import verify_files
 from .errors import CheckpointFormatError, CheckpointIntegrityError
 from .fingerprint import base_fingerprint
-from .manifest import Manifest, read_manifest, verify_files
+from .manifest import Manifest, read_manifest
 from .safe_pickle import SafeFileSystemReader
 from .sections import MODEL
 from .storage_layout import resolve_checkpoint_dir

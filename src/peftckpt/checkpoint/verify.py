@@ -19,8 +19,9 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from peftckpt.checkpoint.checksums import verify_files
 from peftckpt.checkpoint.errors import CheckpointError
-from peftckpt.checkpoint.manifest import Manifest, read_manifest, verify_files
+from peftckpt.checkpoint.manifest import Manifest, read_manifest
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.storage_layout import resolve_checkpoint_dir
 
