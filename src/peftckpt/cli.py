@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("peftckpt.cli", "_train", "train a GPT (+ LoRA) with TP x PP x DP; under torchrun for >1 process"),
     "eval": ("peftckpt.train.evaluate", "eval_main", "mean next-token loss of a base (+ adapter) on --data-path"),
     "verify": ("peftckpt.checkpoint.verify", "verify_main", "check a checkpoint's files against its manifest"),
-    "inspect": ("peftckpt.checkpoint.inspect", "inspect_main",
+    "inspect": ("peftckpt.checkpoint.inspect_cli", "inspect_main",
                 "sections, keys, shapes, layout, commit state and sizes of a checkpoint"),
     "import-hf": ("peftckpt.interop.commands", "import_hf_main",
                   "HF Llama model directory -> full torch_dist base checkpoint"),

@@ -24,10 +24,9 @@ from peftckpt.checkpoint.inspect import (
     SCHEMA_PATH,
     UNCOMMITTED,
     InspectReport,
-    inspect_main,
     inspect_path,
-    render_text,
 )
+from peftckpt.checkpoint.inspect_cli import inspect_main, render_text
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.storage_layout import new_staging_dir, write_tracker
 
