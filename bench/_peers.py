@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from _timing import fsync_paths
+from peftckpt.checkpoint.storage_layout import fsync_dir
 
 __all__ = ["PlainDCP", "TorchSave", "HFPeft", "HF_TARGETS", "hf_available"]
 
@@ -67,7 +68,7 @@ class TorchSave:
                 f.flush()
                 os.fsync(f.fileno())
         if fsync:
-            fsync_paths([path.parent])  # the directory entry of the new file
+            fsync_dir(path.parent)  # the directory entry of the new file
 
     def load(self, path: Path) -> None:
         state = torch.load(path, weights_only=True)

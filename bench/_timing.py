@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from peftckpt.checkpoint.storage_layout import fsync_dir, fsync_file
+
 __all__ = ["Stat", "Ctx", "raw_write", "raw_read", "evict", "dir_bytes", "fsync_paths", "rmtree", "machine_info"]
 
 RAW_BLOCK_BYTES = 16 << 20
@@ -66,6 +68,15 @@ class Ctx:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
+    def timed(self, fn: Callable[[int], Any], i: int) -> float:
+        """``fn(i)`` between barriers: the slowest rank's seconds."""
+        self.barrier()
+        t0 = time.perf_counter()
+        fn(i)
+        elapsed = time.perf_counter() - t0
+        self.barrier()
+        return self.slowest(elapsed)
+
     def time(self, fn: Callable[[int], Any], repeats: int, before: Callable[[int], Any] | None = None,
              after: Callable[[int], Any] | None = None) -> Stat:
         """Run ``fn(i)`` for ``i < repeats``; ``before(i)`` / ``after(i)`` (untimed) prepare and clean up."""
@@ -73,16 +84,10 @@ class Ctx:
         for i in range(repeats):
             if before is not None:
                 before(i)
-            self.barrier()
-            t0 = time.perf_counter()
-            fn(i)
-            elapsed = time.perf_counter() - t0
-            self.barrier()
-            stat.samples.append(self.slowest(elapsed))
+            stat.samples.append(self.timed(fn, i))
             if after is not None:
                 after(i)
         return stat
-
 
     def rounds(self, repeats: int, steps: dict[str, tuple[Callable[[int], Any], Callable[[int], Any] | None]]
                ) -> dict[str, Stat]:
@@ -94,32 +99,17 @@ class Ctx:
             for name, (fn, before) in steps.items():
                 if before is not None:
                     before(i)
-                self.barrier()
-                t0 = time.perf_counter()
-                fn(i)
-                elapsed = time.perf_counter() - t0
-                self.barrier()
-                stats[name].samples.append(self.slowest(elapsed))
+                stats[name].samples.append(self.timed(fn, i))
         return stats
 
 
 # ------------------------------------------------------------------------------------------ disk
 def fsync_paths(paths: list[Path]) -> None:
     """fsync files and then their directories (what a durable save must do)."""
-    dirs = set()
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dirs.add(p.parent)
-    for d in sorted(dirs):
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(p)
+    for d in sorted({p.parent for p in paths}):
+        fsync_dir(d)
 
 
 def evict(path: Path, mode: str) -> None:
@@ -152,15 +142,7 @@ def raw_write(path: Path, num_bytes: int, block: memoryview) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def raw_read(path: Path, block: bytearray) -> int:
