@@ -51,7 +51,7 @@ CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_
 PROFILES: dict[str, dict[str, Any]] = {
     # The reference model of DESIGN.md §7: 953M parameters, 3.8 GB in fp32, 40 MB of adapter at r=16.
     "default": dict(hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=16,
-                    ffn_hidden_size=5632, vocab_size=32000, repeats=3, scaling_layers=[4, 8, 16, 32, 64],
+                    ffn_hidden_size=5632, vocab_size=32000, repeats=5, scaling_layers=[4, 8, 16, 32, 64],
                     scaling_hidden_size=256),
     "quick": dict(hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=8,
                   ffn_hidden_size=1408, vocab_size=8192, repeats=2, scaling_layers=[4, 16, 64],

@@ -49,6 +49,7 @@ HASH_BLOCK_BYTES = 8 * 1024 * 1024
 """Read size while hashing: large enough to amortise syscalls, small enough to stay in cache."""
 
 _MAX_HASH_THREADS = 8
+_WRITE_BUFFER_BYTES = 1024 * 1024
 _XXHASH = ("xxh3_128", "xxh3_64")
 
 
@@ -110,10 +111,11 @@ def checksum_files(
 
 
 # --------------------------------------------------------------------------------- while writing
-class _HashingStream(io.RawIOBase):
-    """A write stream that hashes every byte it passes on, in order."""
+class _HashingRaw(io.RawIOBase):
+    """An unbuffered file that hashes every byte it writes, in order (under an ``io.BufferedWriter``,
+    which turns ``torch.save``'s many small writes into a few large ones)."""
 
-    def __init__(self, raw: io.BufferedWriter, digest: Digest):
+    def __init__(self, raw: io.FileIO, digest: Digest):
         super().__init__()
         self._raw = raw
         self.digest = digest
@@ -123,14 +125,10 @@ class _HashingStream(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
-        n = self._raw.write(b)
+        n = self._raw.write(b) or 0
         self.digest.update(memoryview(b).cast("B")[:n])
         self.written += n
         return n
-
-    def flush(self) -> None:
-        if not self._raw.closed:
-            self._raw.flush()
 
     def tell(self) -> int:
         return self._raw.tell()
@@ -139,11 +137,7 @@ class _HashingStream(io.RawIOBase):
         return self._raw.fileno()
 
     def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self._raw.flush()
-        finally:
+        if not self.closed:
             self._raw.close()
             super().close()
 
@@ -151,7 +145,7 @@ class _HashingStream(io.RawIOBase):
 class ChecksummingFileSystem(FileSystem):
     """The file system of a DCP ``FileSystemWriter`` that checksums each file *as* it is written.
 
-    Every byte DCP writes passes through :class:`_HashingStream` (DCP writes each file sequentially, with no
+    Every byte DCP writes passes through :class:`_HashingRaw` (DCP writes each file sequentially, with no
     seeks), so no file is read back. :meth:`checksums` gives the records of :func:`checksum_files`; a file
     it did not see written, or whose size differs from what it saw, is hashed afresh from disk.
     """
@@ -169,14 +163,11 @@ class ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         target = Path(path).absolute()
-        with open(target, "wb") as raw:
-            stream = _HashingStream(raw, new_digest(self.algorithm))
-            try:
-                yield cast(io.IOBase, stream)
-            finally:
-                stream.close()
+        hashing = _HashingRaw(io.FileIO(target, "wb"), new_digest(self.algorithm))
+        with io.BufferedWriter(hashing, buffer_size=_WRITE_BUFFER_BYTES) as stream:
+            yield cast(io.IOBase, stream)
         with self._lock:
-            self._done[target] = (stream.written, stream.digest.hexdigest())
+            self._done[target] = (hashing.written, hashing.digest.hexdigest())
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
