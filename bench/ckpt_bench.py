@@ -181,6 +181,7 @@ class Dirs:
         return self.root / (name if i is None else f"{name}-{i}")
 
     def drop(self, path: Path) -> None:
+        self.ctx.barrier()  # no rank may still be reading it (e.g. summing its size)
         if self.ctx.rank == 0:
             rmtree(path)
         self.ctx.barrier()
