@@ -125,3 +125,20 @@ def test_crafted_metadata_is_refused_by_verify_and_load(pristine: Path, tmp_path
     with pytest.raises(UnsafeCheckpointError, match="pathlib"):
         target.load(ckpt, LoadOptions())
     assert not marker.exists()
+
+
+def test_a_data_file_gone_while_it_is_verified_is_reported(pristine: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data file that disappears between the size check and its hashing (verified while reading) is an
+    integrity error naming it -- raised collectively, not an OSError escaping on one rank."""
+    from peftckpt.checkpoint import api
+
+    ckpt = pristine / "iter_0000003"
+
+    def vanished(root: Path, manifest: object, rels: list[str]) -> list[str]:
+        raise FileNotFoundError(2, "No such file or directory", str(Path(root) / rels[0]))
+
+    monkeypatch.setattr(api, "verify_checksums", vanished)
+    target, _ = _checkpointer(seed=1)
+    with pytest.raises(CheckpointError) as info:
+        target.load(ckpt, LoadOptions(objects=["iteration"]))
+    assert f"{ckpt / '__0_0.distcp'}: cannot be read to verify" in str(info.value)

@@ -655,7 +655,11 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - reported collectively
             error = _unwrap(e)
         if verification.future is not None:
-            self._raise_if_damaged(verification, verification.future.result(), after_read=True)
+            try:
+                problems = verification.future.result()
+            except OSError as e:  # a file gone or unreadable since it was checked: still a collective report
+                problems = [f"{getattr(e, 'filename', None) or verification.ckpt}: cannot be read to verify: {e}"]
+            self._raise_if_damaged(verification, problems, after_read=True)
         self._agree(error)
 
     def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
