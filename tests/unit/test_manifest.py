@@ -89,7 +89,12 @@ def test_newer_format_version_error_text(tmp_path: Path) -> None:
         (lambda r: r.update(layout={"tp": "2"}), "field 'layout' must be an object of ints"),
         (lambda r: r["saved_keys"].update(k={"shape": [2]}), r"saved_keys\['k'\] must be"),
         (lambda r: r.update(files={"a": {"size": -1, "checksum": "x"}}), r"files\['a'\] must be"),
-        (lambda r: r.update(files={"../a": {"size": 1, "checksum": "x"}}), "must be a relative path"),
+        (lambda r: r.update(files={"../a": {"size": 1, "checksum": "x"}}),
+         r"files\['../a'\] must name a file inside the checkpoint .*'\.\.' component"),
+        (lambda r: r.update(files={"": {"size": 1, "checksum": "x"}}), r"files\[''\] must name .*is empty"),
+        (lambda r: r.update(files={".": {"size": 1, "checksum": "x"}}), r"files\['\.'\] must name"),
+        (lambda r: r.update(files={"/etc/passwd": {"size": 1, "checksum": "x"}}), "is an absolute path"),
+        (lambda r: r.update(files={"metadata.json": {"size": 1, "checksum": "x"}}), "is the manifest"),
     ],
 )
 def test_malformed_fields_are_named(tmp_path: Path, mutate: object, expected: str) -> None:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..sharding.entries import GlobalTensor
@@ -42,12 +41,16 @@ from .errors import (
     CheckpointIntegrityError,
     CheckpointMismatchError,
     StrictnessError,
+    UnsafeCheckpointError,
+    unwrap_dcp_error,
 )
 from .faults import fault_point
 from .fingerprint import base_fingerprint
+from .integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems
 from .manifest import Manifest, read_manifest
 from .planners import EntryLoadPlanner, EntrySavePlanner
-from .safe_pickle import SafeFileSystemReader
+from .safe_pickle import SafeFileSystemReader, load_dcp_metadata
+from .save_lock import SaveDirLock, acquire_save_lock
 from .sections import (
     CHECKPOINT_VERSION,
     CHECKPOINT_VERSION_VALUE,
@@ -70,6 +73,7 @@ from .storage_layout import (
     clean_stale_staging,
     commit_staging,
     new_staging_dir,
+    read_tracker,
     resolve_checkpoint_dir,
 )
 from .strictness import KeyReport, StrictHandling, check_keys
@@ -160,14 +164,35 @@ def _no_zip_crc32() -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
-def _unwrap(e: BaseException) -> BaseException:
-    """DCP wraps per-rank failures in ``CheckpointException`` (a ``BaseException``)."""
-    if isinstance(e, CheckpointException):
-        for failure in e.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, BaseException):
-                return inner
-    return e
+def _shape_mismatch(request: Mapping[str, Any], metadata: Any, ckpt: Path) -> CheckpointMismatchError | None:
+    """The requested tensors that ``ckpt`` stores with another global shape, as one error (or ``None``)."""
+    stored = metadata.state_dict_metadata
+    diffs = [f"  {k}: checkpoint {list(stored[k].size)}, model {list(v.global_shape)}"
+             for k, v in sorted(request.items()) if isinstance(v, GlobalTensor)
+             and isinstance(stored.get(k), TensorStorageMetadata) and list(stored[k].size) != list(v.global_shape)]
+    if not diffs:
+        return None
+    return CheckpointMismatchError(
+        f"checkpoint {ckpt} stores {len(diffs)} tensor(s) with another shape than this model's:\n"
+        + "\n".join(diffs[:10]) + ("\n  ..." if len(diffs) > 10 else "")
+        + "\nthe model flags (architecture, --lora-rank, --lora-target-modules) must match the checkpoint's")
+
+
+def _commit_outcome(c: _PendingCommit, reached: Sequence[str]) -> str:
+    """What a commit that failed after the steps in ``reached`` left committed (see ``commit_staging``)."""
+    final = c.save / f"iter_{c.iteration:07d}"
+    if "tracker" in reached:
+        return (f"iteration {c.iteration} was committed as {final} and the tracker names it; only deleting "
+                "older checkpoints (--keep-last-k) failed")
+    if "renamed" in reached:
+        try:
+            tracked = f"names iteration {read_tracker(c.save)}"
+        except CheckpointError as e:
+            tracked = f"is unreadable ({e})"
+        return (f"iteration {c.iteration} was committed as {final}, but the tracker was not moved to it: it "
+                f"still {tracked}; a load of {c.save} follows the tracker")
+    return ("nothing was committed (no iter_* directory was renamed): the previously committed checkpoint and "
+            "the tracker are unchanged")
 
 
 class Checkpointer:
@@ -195,6 +220,8 @@ class Checkpointer:
         self._async_pg: dist.ProcessGroup | None = None
         self._host_buffers: dict[str, GlobalTensor] = {}
         """Host copies of the last async save's mutable tensors, reused by the next one."""
+        self._locks: dict[Path, SaveDirLock] = {}
+        """Save directories this checkpointer locked (rank 0 only), held until :meth:`close`."""
 
     # -------------------------------------------------------------------------------- collectives
     def _gather(self, obj: Any) -> list[Any]:
@@ -204,22 +231,24 @@ class Checkpointer:
         dist.all_gather_object(out, obj)
         return out
 
-    def _agree(self, error: BaseException | None, context: str | None = None) -> None:
+    def _agree(self, error: BaseException | None, context: str | None = None, outcome: str | None = None) -> None:
         """Raise on every rank if any rank failed (never leaves a rank waiting in a collective).
 
-        With ``context`` (a save step), any failure becomes a :class:`CheckpointError` that says the
-        previous committed checkpoint is untouched; otherwise this rank's own error is re-raised."""
-        errors = self._gather(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        With ``context`` (a save step), any failure becomes a :class:`CheckpointError` that says what the
+        failure left committed: the failing rank's ``outcome``, by default that nothing was; otherwise this
+        rank's own error is re-raised."""
+        reports = self._gather(None if error is None else (f"{type(error).__name__}: {error}", outcome))
+        failed = [(r, e) for r, e in enumerate(reports) if e is not None]
         if not failed:
             return
+        rank, (message, said) = failed[0]
         if context is not None:
-            rank, message = failed[0]
-            raise CheckpointError(f"{context} (rank {rank}: {message}); the previously committed checkpoint "
-                                  "and the tracker are unchanged") from error
+            said = said or "nothing was committed: the previously committed checkpoint and the tracker are unchanged"
+            agreed = CheckpointError(f"{context} (rank {rank}: {message}); {said}")
+            agreed.every_rank = True
+            raise agreed from error
         if error is not None:
             raise error
-        rank, message = failed[0]
         raise CheckpointError(f"rank {rank} failed: {message}")
 
     def _barrier(self) -> None:
@@ -279,11 +308,15 @@ class Checkpointer:
         Steps:
             1. Build this rank's entries; with ``trainable_only`` filter the model sections (this refuses a
                non-``torch_dist`` format before anything is written).
-            2. Rank 0 removes stale staging directories; all ranks agree on a fresh staging directory.
+            2. Rank 0 locks the save directory (one run at a time, see
+               :func:`~peftckpt.checkpoint.save_lock.acquire_save_lock`) and removes stale staging
+               directories; all ranks agree on a fresh staging directory.
             3. Every rank writes its shards into staging (DCP, or one legacy file per model-parallel rank).
-            4. Every rank checksums its own files; rank 0 gathers them with the key records.
+            4. Every rank checksums its own files; rank 0 gathers them with the key records and checks that
+               the checkpoint is whole (:func:`~peftckpt.checkpoint.integrity.storage_problems`).
             5. Rank 0 writes the manifest, renames staging to ``iter_XXXXXXX`` and updates the tracker
-               (see :func:`~peftckpt.checkpoint.storage_layout.commit_staging`); then applies retention.
+               (see :func:`~peftckpt.checkpoint.storage_layout.commit_staging`); then applies retention,
+               which never deletes the checkpoint just committed.
         """
         options = options or SaveOptions()
         save = Path(save_dir).absolute()
@@ -304,9 +337,15 @@ class Checkpointer:
                               "sections of this checkpoint are empty", stacklevel=2)
         # 2.
         staging_name: str | None = None
+        error = None
         if self.rank == 0:
-            clean_stale_staging(save)
-            staging_name = str(new_staging_dir(save, iteration, secrets.token_hex(6)))
+            try:
+                self.lock(save)  # no other live run saves here, so every staging directory left is stale
+                clean_stale_staging(save)
+                staging_name = str(new_staging_dir(save, iteration, secrets.token_hex(6)))
+            except (CheckpointError, OSError) as e:
+                error = e
+        self._agree(error, f"saving iteration {iteration} to {save} failed")
         if self.distributed:
             holder = [staging_name]
             dist.broadcast_object_list(holder, src=0)
@@ -356,7 +395,7 @@ class Checkpointer:
                 raise CheckpointFormatError(f"--ckpt-format must be torch_dist or torch, got {options.ckpt_format!r}")
             error = None
         except BaseException as e:  # noqa: BLE001 - reported collectively below
-            error = _unwrap(e)
+            error = unwrap_dcp_error(e)
             self._pending = None
         try:
             self._agree(error, f"saving iteration {iteration} to {save} failed")
@@ -430,54 +469,102 @@ class Checkpointer:
             assert pending.future is not None
             pending.future.result()
         except BaseException as e:  # noqa: BLE001
-            error = _unwrap(e)
+            error = unwrap_dcp_error(e)
         self._agree(error, f"async save of iteration {pending.iteration} to {pending.save} failed")
         self._commit(pending)
 
     # ------------------------------------------------------------------------------------ commit
     def _commit(self, c: _PendingCommit) -> None:
-        """Steps 4 and 5 of :meth:`save`: checksums, manifest, rename, tracker, retention."""
-        if c.options.ckpt_format == TORCH:
-            own = legacy.rank_file(c.staging, self.coords, self.layout)
-            written = [own] if own.is_file() and self.coords.get("dp", 0) == 0 else []
-        else:
-            written = sorted(c.staging.glob(f"__{self.rank}_*"))
-        checksum = checksum_files if c.checksums is None else c.checksums.checksums
-        records = self._gather((checksum(written, c.staging), c.kept, c.excluded))
-        fault_point("before_manifest", self.rank, c.iteration)
+        """Steps 4 and 5 of :meth:`save`: checksums, whole-checkpoint check, manifest, rename, tracker,
+        retention. A failure says exactly what it left committed and where the tracker points."""
         error: BaseException | None = None
+        mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded)
         try:
-            if self.rank == 0:
-                files: dict[str, Any] = {}
-                saved_keys: dict[str, Any] = {}
-                excluded_keys: dict[str, Any] = {}
-                for f, k, x in records:
-                    files.update(f)
-                    saved_keys.update(k)
-                    excluded_keys.update(x)
-                others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix()
-                          not in files]
-                files.update(checksum(others, c.staging))
-                sections = list(model_section_names(len(self.chunks)))
-                if c.options.save_optim and self.optimizer is not None:
-                    sections.append(OPTIMIZER)
-                if c.options.save_rng:
-                    sections.append(RNG_STATE)
-                sections += c.object_names
-                manifest = Manifest(
-                    format=c.options.ckpt_format, iteration=c.iteration, sections=sections, layout=self.layout,
-                    model_config=self.model_config, trainable_only=c.options.trainable_only, saved_keys=saved_keys,
-                    excluded_keys=excluded_keys, adapter_config=self.adapter_config,
-                    base_fingerprint=c.fingerprint, files=files, args=c.args,
-                )
-                steps = {"manifest_written": "before_rename", "renamed": "before_tracker"}
-                commit_staging(c.staging, c.save, c.iteration, manifest.to_json(),
-                               on_step=lambda step: fault_point(steps[step], self.rank, c.iteration))
-                if c.options.keep_last_k:
-                    apply_retention(c.save, c.options.keep_last_k)
-        except BaseException as e:  # noqa: BLE001
+            if c.options.ckpt_format == TORCH:
+                own = legacy.rank_file(c.staging, self.coords, self.layout)
+                written = [own] if own.is_file() and self.coords.get("dp", 0) == 0 else []
+            else:
+                written = sorted(c.staging.glob(f"__{self.rank}_*"))
+            checksum = checksum_files if c.checksums is None else c.checksums.checksums
+            mine = (checksum(written, c.staging), c.kept, c.excluded)
+        except OSError as e:  # e.g. the staging directory vanished: agreed below, never a hang in the gather
             error = e
         self._agree(error, f"committing iteration {c.iteration} to {c.save} failed")
+        records = self._gather(mine)
+        fault_point("before_manifest", self.rank, c.iteration)
+        reached: list[str] = []
+        try:
+            if self.rank == 0:
+                manifest = self._manifest(c, records)
+                steps = {"manifest_written": "before_rename", "renamed": "before_tracker"}
+
+                def on_step(step: str) -> None:
+                    reached.append(step)
+                    fault_point(steps[step], self.rank, c.iteration)
+
+                final = commit_staging(c.staging, c.save, c.iteration, manifest.to_json(), on_step=on_step)
+                reached.append("tracker")
+                if c.options.keep_last_k:
+                    apply_retention(c.save, c.options.keep_last_k, protect=[final])
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        self._agree(error, f"committing iteration {c.iteration} to {c.save} failed",
+                    outcome=None if error is None else _commit_outcome(c, reached))
+
+    def _manifest(self, c: _PendingCommit, records: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]
+                  ) -> Manifest:
+        """The manifest of a fully written staging directory (rank 0), refused if the checkpoint is not whole."""
+        files: dict[str, Any] = {}
+        saved_keys: dict[str, Any] = {}
+        excluded_keys: dict[str, Any] = {}
+        for f, k, x in records:
+            files.update(f)
+            saved_keys.update(k)
+            excluded_keys.update(x)
+        checksum = checksum_files if c.checksums is None else c.checksums.checksums
+        others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix()
+                  not in files]
+        files.update(checksum(others, c.staging))
+        if c.options.ckpt_format == TORCH_DIST:
+            problems = storage_problems(c.staging, load_dcp_metadata(c.staging / DCP_METADATA_FILENAME),
+                                        files, saved_keys)
+            if problems:
+                raise CheckpointIntegrityError("the written checkpoint is not whole, so it is not committed:\n  "
+                                               + "\n  ".join(problems))
+        sections = list(model_section_names(len(self.chunks)))
+        if c.options.save_optim and self.optimizer is not None:
+            sections.append(OPTIMIZER)
+        if c.options.save_rng:
+            sections.append(RNG_STATE)
+        sections += c.object_names
+        return Manifest(
+            format=c.options.ckpt_format, iteration=c.iteration, sections=sections, layout=self.layout,
+            model_config=self.model_config, trainable_only=c.options.trainable_only, saved_keys=saved_keys,
+            excluded_keys=excluded_keys, adapter_config=self.adapter_config,
+            base_fingerprint=c.fingerprint, files=files, args=c.args,
+        )
+
+    # ------------------------------------------------------------------------------------- locks
+    def lock(self, save_dir: str | os.PathLike[str]) -> None:
+        """Hold ``save_dir``'s run lock from now until :meth:`close` (rank 0 only; a no-op on other ranks
+        and when already held). :meth:`save` takes it itself; call it earlier to refuse a concurrent run
+        before any work is done.
+
+        Raises:
+            SaveDirInUseError: another live process holds it.
+            OSError: the directory cannot be created or written."""
+        save = Path(save_dir).absolute()
+        if self.rank == 0 and save not in self._locks:
+            self._locks[save] = acquire_save_lock(save)
+
+    def close(self) -> None:
+        """Commit any in-flight async save, then release the save directories' locks."""
+        try:
+            self.wait()
+        finally:
+            for held in self._locks.values():
+                held.release()
+            self._locks.clear()
 
     # -------------------------------------------------------------------------------------- load
     def _resolve(self, path: str | os.PathLike[str], options: LoadOptions) -> tuple[Path, int, Manifest, _Verify]:
@@ -487,11 +574,21 @@ class Checkpointer:
         ckpt, iteration = resolve_checkpoint_dir(path)
         manifest = read_manifest(ckpt)
         pending = _Verify(ckpt)
+        shard = (self.rank, self.world)
+        later = options.verify_while_reading and manifest.format == TORCH_DIST
+        problems: list[str] = []
         if options.verify_checksums:
-            shard = (self.rank, self.world)
-            later = options.verify_while_reading and manifest.format == TORCH_DIST
             problems = verify_files(ckpt, manifest, shard, hash_if=(lambda rel: not is_data_file(rel)) if later else None)
-            self._raise_if_damaged(pending, problems)
+        error: UnsafeCheckpointError | None = None
+        if manifest.format == TORCH_DIST and self.rank == 0:
+            # Always, checksums or not: no storage item may lead outside the checkpoint or past a file's end.
+            try:
+                problems += dcp_problems(ckpt, manifest)
+            except UnsafeCheckpointError as e:
+                error = e
+        self._agree(error)
+        self._raise_if_damaged(pending, problems)
+        if options.verify_checksums:
             if later:
                 rels = [rel for rel in files_share(manifest, shard) if is_data_file(rel)]
                 executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-verify")
@@ -501,7 +598,7 @@ class Checkpointer:
 
     def _raise_if_damaged(self, v: _Verify, problems: list[str], after_read: bool = False) -> None:
         """Raise :class:`CheckpointIntegrityError` on every rank if any rank found a damaged file."""
-        all_problems = [p for ps in self._gather(problems) for p in ps]
+        all_problems = list(dict.fromkeys(p for ps in self._gather(problems) for p in ps))
         if all_problems:
             raise CheckpointIntegrityError(
                 f"checkpoint {v.ckpt} is damaged:\n  " + "\n  ".join(all_problems)
@@ -580,6 +677,7 @@ class Checkpointer:
             raise CheckpointFormatError(f"{ckpt}: unknown checkpoint format {manifest.format!r}")
         reader = SafeFileSystemReader(ckpt)
         metadata = reader.read_metadata()
+        self._agree(_shape_mismatch(request, metadata, ckpt))
         saved = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
         hints = {k: ("trainable now but frozen when the checkpoint was saved, so it is not in it: its value must "
                      "come from --pretrained-checkpoint; --dist-ckpt-strictness log_unexpected keeps that value")
@@ -653,7 +751,7 @@ class Checkpointer:
         try:
             dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner())
         except BaseException as e:  # noqa: BLE001 - reported collectively
-            error = _unwrap(e)
+            error = unwrap_dcp_error(e)
         if verification.future is not None:
             try:
                 problems = verification.future.result()
@@ -681,6 +779,7 @@ class Checkpointer:
         reader = SafeFileSystemReader(ckpt)
         metadata = reader.read_metadata()
         request = self._request(False, False)
+        self._agree(_shape_mismatch(request, metadata, ckpt))
         absent = [k for k in request if k not in metadata.state_dict_metadata]
         frozen_absent = [k for k in absent if not request[k].requires_grad]
         error: BaseException | None = None

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from peftckpt.checkpoint.errors import CheckpointFormatError
+from peftckpt.checkpoint.paths import recorded_file_problem
 from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
 
 if TYPE_CHECKING:
@@ -247,15 +248,9 @@ def verify_files(ckpt_dir: str | os.PathLike[str], manifest: Manifest, shard: tu
     to_hash = []
     for rel in files_share(manifest, shard):
         rec = manifest.files[rel]
-        path = root / rel
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problems[rel] = f"{path}: missing (expected {rec['size']} bytes)"
-            continue
-        if size != rec["size"]:
-            kind = "truncated" if size < rec["size"] else "extended"
-            problems[rel] = f"{path}: size mismatch ({kind}): expected {rec['size']} bytes, got {size}"
+        problem = recorded_file_problem(root, rel, rec["size"])  # a symlink, FIFO or device is never opened
+        if problem is not None:
+            problems[rel] = problem
         elif hash_if is None or hash_if(rel):
             to_hash.append(rel)
     problems.update(_checksum_problems(root, manifest, to_hash))

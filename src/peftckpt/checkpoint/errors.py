@@ -6,6 +6,8 @@ the flag that changes the behaviour.
 
 from __future__ import annotations
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -14,11 +16,15 @@ __all__ = [
     "UnsafeCheckpointError",
     "CheckpointMismatchError",
     "StrictnessError",
+    "unwrap_dcp_error",
 ]
 
 
 class CheckpointError(Exception):
     """Base class of every error raised by peftckpt's checkpoint library."""
+
+    every_rank: bool = False
+    """True when every rank raises this error with the same message (a launcher prints it once)."""
 
 
 class CheckpointNotFoundError(CheckpointError):
@@ -43,3 +49,14 @@ class CheckpointMismatchError(CheckpointError):
 
 class StrictnessError(CheckpointError):
     """Keys requested but absent (unexpected) or saved but never requested (missing), per the strictness mode."""
+
+
+def unwrap_dcp_error(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` wrapper (a ``BaseException``
+    that would escape ``except Exception``); any other exception unchanged."""
+    if isinstance(e, CheckpointException):
+        for failure in e.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                return inner
+    return e

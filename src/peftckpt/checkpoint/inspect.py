@@ -37,17 +37,20 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from peftckpt.checkpoint.checksums import verify_files
 from peftckpt.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
+from peftckpt.checkpoint.integrity import DCP_METADATA_FILENAME, dcp_problems
 from peftckpt.checkpoint.legacy import FILENAME as LEGACY_FILENAME
 from peftckpt.checkpoint.manifest import Manifest, read_manifest
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.sections import MODEL, OPTIMIZER
 from peftckpt.checkpoint.storage_layout import (
+    LOCK_FILENAME,
     MANIFEST_FILENAME,
     STAGING_PREFIX,
     TRACKER_FILENAME,
@@ -58,7 +61,7 @@ from peftckpt.checkpoint.storage_layout import (
     resolve_checkpoint_dir,
 )
 from peftckpt.checkpoint.trainable import TORCH, TORCH_DIST
-from peftckpt.checkpoint.verify import DCP_METADATA_FILENAME, verify_checkpoint
+from peftckpt.checkpoint.verify import verify_checkpoint
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -318,30 +321,30 @@ def _iteration_from_name(name: str) -> int | None:
 
 
 def _files_under(root: Path) -> dict[str, int]:
-    """``{posix relpath: size}`` of every file under ``root``."""
+    """``{posix relpath: size}`` of every file under ``root`` (symlinks not followed; a file deleted while
+    it is listed, e.g. by retention, is skipped)."""
     found = {}
     for dirpath, _dirnames, filenames in os.walk(root):
         for name in filenames:
             path = Path(dirpath) / name
-            found[path.relative_to(root).as_posix()] = path.stat().st_size
+            try:
+                found[path.relative_to(root).as_posix()] = path.lstat().st_size
+            except FileNotFoundError:
+                continue
     return found
 
 
 def _size_problems(root: Path, manifest: Manifest) -> list[str]:
-    """Presence and size of each recorded file, and unlisted files: ``verify_files`` without the hashing
-    (same wording), for ``--no-verify-checksums`` and the cheap states of a save directory's entries."""
-    on_disk = _files_under(root)
-    problems = []
-    for rel, rec in sorted(manifest.files.items()):
-        size = on_disk.get(rel)
-        if size is None:
-            problems.append(f"{root / rel}: missing (expected {rec['size']} bytes)")
-        elif size != rec["size"]:
-            kind = "truncated" if size < rec["size"] else "extended"
-            problems.append(f"{root / rel}: size mismatch ({kind}): expected {rec['size']} bytes, got {size}")
-    for rel in sorted(on_disk.keys() - manifest.files.keys() - {MANIFEST_FILENAME}):
-        problems.append(f"{root / rel}: unexpected file, not listed in the manifest")
-    return problems
+    """What ``verify`` finds without hashing (same wording): presence, type and size of each recorded file,
+    unlisted files, and whether DCP's metadata describes a whole checkpoint made of those files; for
+    ``--no-verify-checksums`` and the cheap states of a save directory's entries."""
+    problems = verify_files(root, manifest, hash_if=lambda _rel: False)
+    if manifest.format == TORCH_DIST:
+        try:
+            problems += dcp_problems(root, manifest)
+        except UnsafeCheckpointError as exc:
+            problems.append(str(exc))
+    return list(dict.fromkeys(problems))
 
 
 def _legacy_rank_files(root: Path) -> list[Path]:
@@ -566,7 +569,7 @@ def _classify(target: Path) -> str:
             or parse_iteration_dirname(name) is not None or _guess_format(target) is not None:
         return "checkpoint"
     entries = list(target.iterdir())
-    if not entries or any(e.name == TRACKER_FILENAME or e.name.startswith((STAGING_PREFIX, TRASH_PREFIX))
+    if not entries or any(e.name in (TRACKER_FILENAME, LOCK_FILENAME) or e.name.startswith((STAGING_PREFIX, TRASH_PREFIX))
                           or parse_iteration_dirname(e.name) is not None for e in entries):
         return "save_dir"
     raise CheckpointFormatError(
@@ -593,6 +596,8 @@ def _entry(path: Path) -> DirEntry:
             problems = _size_problems(path, read_manifest(path))
         except CheckpointError as exc:
             problems = [str(exc)]
+        except OSError as exc:  # deleted while listed (retention, another run's cleanup)
+            problems = [f"{path}: vanished while it was inspected ({exc.strerror})"]
         if problems:
             entry.state = CORRUPTED
             entry.reason = problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")

@@ -20,6 +20,7 @@ from typing import Any
 import peftckpt
 from peftckpt.checkpoint.checksums import CHECKSUM_ALGORITHM
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
+from peftckpt.checkpoint.paths import read_regular_file, relpath_problem
 from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
 
 __all__ = [
@@ -31,6 +32,9 @@ __all__ = [
 
 FORMAT_VERSION = 1
 """Newest manifest format version this library writes and reads."""
+
+MANIFEST_MAX_BYTES = 256 << 20
+"""Largest manifest read (one of a 70B model with every key recorded is a few MB)."""
 
 KNOWN_FORMATS = ("torch_dist", "torch")
 """Checkpoint formats: ``torch_dist`` (DCP directory) and ``torch`` (legacy per-rank ``.pt`` files)."""
@@ -215,8 +219,9 @@ def _check_file_records(records: Mapping[str, Any]) -> list[str]:
         )
         if not ok:
             problems.append(f"files[{rel!r}] must be {{'size': int, 'checksum': str}}, got {_short(rec)}")
-        elif rel.startswith("/") or ".." in rel.split("/"):
-            problems.append(f"files[{rel!r}] must be a relative path inside the checkpoint")
+        elif relpath_problem(rel) is not None or rel == MANIFEST_FILENAME:
+            problems.append(f"files[{rel!r}] must name a file inside the checkpoint other than the manifest "
+                            f"(it {relpath_problem(rel) or 'is the manifest'})")
     return problems
 
 
@@ -229,9 +234,11 @@ def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
     """
     path = Path(ckpt_dir) / MANIFEST_FILENAME
     try:
-        data = path.read_bytes()
+        data = read_regular_file(path, MANIFEST_MAX_BYTES)
     except FileNotFoundError:
         raise CheckpointFormatError(
             f"{ckpt_dir} is not a committed peftckpt checkpoint: it has no {MANIFEST_FILENAME}"
         ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"manifest {path} cannot be read: {exc}") from exc
     return Manifest.from_json(data, path)

@@ -18,8 +18,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..sharding.entries import global_tensor_of
 from .checksums import verify_files
-from .errors import CheckpointFormatError, CheckpointIntegrityError
+from .errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, unwrap_dcp_error
 from .fingerprint import base_fingerprint
+from .integrity import dcp_problems
 from .manifest import Manifest, read_manifest
 from .safe_pickle import SafeFileSystemReader
 from .sections import MODEL
@@ -53,7 +54,16 @@ class OfflineCheckpoint:
             md = available[n]
             request[prefix + n] = torch.empty(md.size, dtype=md.properties.dtype)
         if request:
-            dcp.load(request, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load(request, storage_reader=reader, no_dist=True)
+            except BaseException as e:  # DCP wraps failures in CheckpointException (a BaseException)
+                inner = unwrap_dcp_error(e)
+                if isinstance(inner, CheckpointError):
+                    raise inner from None
+                if isinstance(inner, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise CheckpointIntegrityError(f"checkpoint {self.path} cannot be read: "
+                                               f"{type(inner).__name__}: {inner}") from inner
         return {k[len(prefix):]: v for k, v in request.items()}
 
 
@@ -67,11 +77,10 @@ def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
         raise CheckpointFormatError(
             f"{what} {ckpt} is in the {manifest.format!r} format; the offline tools read torch_dist only: "
             "convert it with `peftckpt train --load ... --ckpt-convert-format torch_dist --ckpt-convert-save DIR`")
-    if verify_checksums:
-        problems = verify_files(ckpt, manifest)
-        if problems:
-            raise CheckpointIntegrityError(f"{what} {ckpt} is damaged:\n  " + "\n  ".join(problems)
-                                           + "\n(--no-verify-checksums skips this check)")
+    problems = verify_files(ckpt, manifest) if verify_checksums else []
+    problems = list(dict.fromkeys(problems + dcp_problems(ckpt, manifest)))  # always: nothing read from outside
+    if problems:
+        raise CheckpointIntegrityError(f"{what} {ckpt} is damaged:\n  " + "\n  ".join(problems))
     return OfflineCheckpoint(ckpt, iteration, manifest)
 
 

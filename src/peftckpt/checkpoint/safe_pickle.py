@@ -14,7 +14,14 @@ optimizer state, ints, floats, strings, tuples, bytes and an ``OrderedDict``):
 * ``pathlib.PosixPath`` (``StorageMeta.checkpoint_id`` when the save was given a ``Path``) and its pure
   variants, also under ``pathlib._local`` where Python 3.13 moved them
 * plus harmless containers a metadata pickle may use: ``collections.OrderedDict``, ``builtins`` set,
-  frozenset, slice, complex, bytearray
+  frozenset, slice, complex. Nothing whose constructor allocates memory the file chooses (``bytearray(10**10)``
+  is a 10 GB allocation from a few bytes of pickle), so ``bytearray`` is not admitted.
+
+Memory and blocking: the file is read whole (a regular file only, opened non-blocking, at most
+``max_bytes``) and its opcodes are scanned before unpickling: a memo index far beyond the objects built so far
+(the C unpickler grows its memo table to the index: a 5-byte opcode can ask for gigabytes) or a length-prefixed
+argument longer than the data left (it allocates the declared length before reading) is refused. Unpickling
+then needs memory proportional to the file's size, whatever the file says.
 
 Non-tensor ("bytes") items: torch 2.13's ``FileSystemReader.read_data`` hands their bytes to
 ``planner.load_bytes``, and ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(value,
@@ -28,6 +35,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, cast
@@ -39,6 +47,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, UnsafeCheckpointError
+from peftckpt.checkpoint.paths import read_regular_file
 from peftckpt.checkpoint.readahead import ReadAhead
 
 __all__ = ["ALLOWED_GLOBALS", "RestrictedUnpickler", "load_dcp_metadata", "SafeFileSystemReader"]
@@ -64,7 +73,6 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("builtins", "frozenset"),
         ("builtins", "slice"),
         ("builtins", "complex"),
-        ("builtins", "bytearray"),
         *(("pathlib", name) for name in _PATH_CLASSES),
         *(("pathlib._local", name) for name in _PATH_CLASSES),
     }
@@ -92,20 +100,56 @@ class RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def load_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
+METADATA_MAX_BYTES = 256 << 20
+"""Largest ``.metadata`` read (a 70B model's, sharded over 64 ranks with optimizer state, is tens of MB)."""
+
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _scan_opcodes(data: bytes, source: str | os.PathLike[str]) -> None:
+    """Refuse a pickle whose opcodes would make the C unpickler allocate memory the file chooses.
+
+    ``pickletools.genops`` reads every argument from the in-memory bytes (a length-prefixed argument longer
+    than the data left raises instead of being allocated); a memo write may only name the next free slot or
+    an earlier one, as every pickler writes them."""
+    puts = 0
+    try:
+        for opcode, arg, _pos in pickletools.genops(io.BytesIO(data)):
+            if opcode.name in _MEMO_PUTS:
+                if not isinstance(arg, int) or arg > puts:
+                    raise CheckpointFormatError(
+                        f"DCP metadata file {source} is corrupt: memo index {arg} after {puts} memo entries")
+                puts += 1
+            elif opcode.name == "MEMOIZE":
+                puts += 1
+    except CheckpointFormatError:
+        raise
+    except Exception as exc:  # truncated argument, unknown opcode, ...
+        raise CheckpointFormatError(f"DCP metadata file {source} is corrupt: {type(exc).__name__}: {exc}") from exc
+
+
+def load_dcp_metadata(path: str | os.PathLike[str], max_bytes: int | None = None) -> Metadata:
     """Load a DCP ``.metadata`` pickle through :class:`RestrictedUnpickler`.
+
+    The file must be a regular file of at most ``max_bytes`` (default :data:`METADATA_MAX_BYTES`); its
+    opcodes are scanned first (see the module docstring).
 
     Raises:
         UnsafeCheckpointError: the pickle refers to a class outside the admitted set.
-        CheckpointFormatError: the file is missing, is not a valid pickle, or holds no DCP ``Metadata``.
+        CheckpointFormatError: the file is missing, not a regular file, too large, not a valid pickle, or
+            holds no DCP ``Metadata``.
     """
     try:
-        with open(path, "rb") as f:
-            obj = RestrictedUnpickler(f, path).load()
-    except UnsafeCheckpointError:
-        raise
+        data = read_regular_file(Path(path), METADATA_MAX_BYTES if max_bytes is None else max_bytes)
     except FileNotFoundError:
         raise CheckpointFormatError(f"DCP metadata file {path} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"DCP metadata file {path} cannot be read: {exc}") from exc
+    _scan_opcodes(data, path)
+    try:
+        obj = RestrictedUnpickler(io.BytesIO(data), path).load()
+    except UnsafeCheckpointError:
+        raise
     except Exception as exc:  # any unpickling failure of a corrupt file: EOF, bad opcode, bad args
         raise CheckpointFormatError(
             f"DCP metadata file {path} is corrupt: {type(exc).__name__}: {exc}"

@@ -8,6 +8,7 @@ Layout (DESIGN.md §4.1)::
     <save>/.staging.iter_0000100.<token>/      a save in progress (hidden, never matches ``iter_*``)
     <save>/.trash.replace.iter_0000100.<token> the previous copy of an iteration being re-saved
     <save>/.trash.retire.iter_0000090.<token>  a checkpoint being deleted by retention
+    <save>/.peftckpt.lock                      the run lock (see :mod:`peftckpt.checkpoint.save_lock`)
 
 Everything here is single-process filesystem work; the orchestration calls it from the one rank that
 commits. Nothing here touches ``torch.distributed``.
@@ -37,10 +38,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError
+from peftckpt.checkpoint.paths import read_regular_file
 
 __all__ = [
     "TRACKER_FILENAME",
     "MANIFEST_FILENAME",
+    "LOCK_FILENAME",
     "STAGING_PREFIX",
     "TRASH_PREFIX",
     "CheckpointFallbackWarning",
@@ -66,6 +69,9 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
 MANIFEST_FILENAME = "metadata.json"
 """Name of the JSON manifest inside a checkpoint directory; its presence marks the directory committed."""
+
+LOCK_FILENAME = ".peftckpt.lock"
+"""The run lock of a save directory (hidden: never an ``iter_*``, staging or trash name)."""
 
 STAGING_PREFIX = ".staging."
 """Prefix of in-progress save directories (hidden; never parsed as a committed checkpoint)."""
@@ -151,24 +157,34 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 # ------------------------------------------------------------------------------------------- tracker
 
 
+_TRACKER_RE = re.compile(rb"[ \t\r\n]*([0-9]{1,30})[ \t\r\n]*")
+_TRACKER_MAX_BYTES = 64
+
+
 def read_tracker(save_dir: str | os.PathLike[str]) -> int | None:
     """Iteration recorded in the tracker of ``save_dir``, or ``None`` when there is no tracker.
 
+    A tracker holds plain ASCII decimal digits (surrounding whitespace allowed); anything else -- other
+    Unicode digits such as ``٤``, bytes that are not UTF-8, a directory or FIFO in its place -- is garbled.
+
     Raises:
-        CheckpointFormatError: the tracker exists but does not hold a non-negative integer.
+        CheckpointFormatError: the tracker exists but is garbled.
     """
     tracker = Path(save_dir) / TRACKER_FILENAME
+    hint = "fix or delete it (the newest committed iter_* directory is used when it is absent)"
     try:
-        text = tracker.read_text(encoding="utf-8")
+        data = read_regular_file(tracker, _TRACKER_MAX_BYTES)
     except FileNotFoundError:
         return None
-    value = text.strip()
-    if not value.isdigit():
+    except (OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"tracker file {tracker} is garbled: it {exc}; {hint}") from None
+    match = _TRACKER_RE.fullmatch(data)
+    if match is None:
         raise CheckpointFormatError(
-            f"tracker file {tracker} is garbled: expected a non-negative iteration number, got {text[:40]!r}; "
-            f"fix or delete it (the newest committed iter_* directory is used when it is absent)"
+            f"tracker file {tracker} is garbled: expected a non-negative iteration number in ASCII digits, "
+            f"got {data[:40]!r}; {hint}"
         )
-    return int(value)
+    return int(match.group(1))
 
 
 def write_tracker(save_dir: str | os.PathLike[str], iteration: int) -> None:
@@ -311,6 +327,17 @@ def commit_staging(
     if staging.parent.resolve() != save.resolve():
         raise ValueError(f"staging directory {staging} is not directly inside the save directory {save}")
 
+    # Before anything changes: a tracker that cannot be replaced (a directory in its place) must not be
+    # found only after an existing iter_N was replaced. A garbled file is overwritten by a valid one.
+    tracker = save / TRACKER_FILENAME
+    if update_tracker and (tracker.is_symlink() or (tracker.exists() and not tracker.is_file())):
+        raise CheckpointFormatError(f"tracker {tracker} is not a regular file, so it cannot be updated; remove "
+                                    "it (nothing was committed)")
+    try:
+        current = read_tracker(save)
+    except CheckpointFormatError:
+        current = None
+
     atomic_write_bytes(staging / MANIFEST_FILENAME, manifest_bytes)  # 1
     fsync_tree(staging)  # 2
     if on_step is not None:
@@ -330,10 +357,6 @@ def commit_staging(
         on_step("renamed")
 
     if update_tracker:  # 6
-        try:
-            current = read_tracker(save)
-        except CheckpointFormatError:
-            current = None  # a garbled tracker is overwritten by a valid one
         if current is None or iteration >= current or allow_tracker_rewind:
             write_tracker(save, iteration)
     return final
@@ -377,7 +400,7 @@ def _iteration_of_direct_dir(path: Path) -> int:
 def _looks_like_save_dir(path: Path) -> bool:
     for entry in path.iterdir():
         name = entry.name
-        if name == TRACKER_FILENAME or name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
+        if name in (TRACKER_FILENAME, LOCK_FILENAME) or name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
             return True
         if parse_iteration_dirname(name) is not None:
             return True

@@ -4,8 +4,10 @@ Steps of :func:`verify_checkpoint`:
     1. Resolve ``DIR`` (a save directory via its tracker, or a checkpoint directory).
     2. Read and validate the JSON manifest.
     3. Check every file against the manifest's sizes and checksums, and look for unlisted files.
-    4. For ``torch_dist``: load DCP's ``.metadata`` through the restricted unpickler and check that every
-       key of ``manifest.saved_keys`` is a tensor there with the recorded global shape and dtype.
+    4. For ``torch_dist``: load DCP's ``.metadata`` through the restricted unpickler and check that the
+       checkpoint is whole (:func:`~peftckpt.checkpoint.integrity.storage_problems`): every storage item in a
+       listed regular file and inside it, every tensor covered exactly once, every recorded key stored with
+       its recorded shape and dtype.
 """
 
 from __future__ import annotations
@@ -17,19 +19,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
 from peftckpt.checkpoint.checksums import verify_files
-from peftckpt.checkpoint.errors import CheckpointError
-from peftckpt.checkpoint.manifest import Manifest, read_manifest
-from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
+from peftckpt.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from peftckpt.checkpoint.integrity import DCP_METADATA_FILENAME, dcp_problems
+from peftckpt.checkpoint.manifest import read_manifest
 from peftckpt.checkpoint.storage_layout import resolve_checkpoint_dir
 
 __all__ = ["DCP_METADATA_FILENAME", "VerifyReport", "verify_checkpoint", "verify_main"]
-
-DCP_METADATA_FILENAME = ".metadata"
-"""DCP's global metadata file inside a ``torch_dist`` checkpoint directory."""
-
 
 @dataclass
 class VerifyReport:
@@ -63,37 +59,6 @@ class VerifyReport:
         }
 
 
-def _normalise_dtype(dtype: object) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_dcp_keys(metadata: Metadata, manifest: Manifest, source: Path) -> list[str]:
-    problems = []
-    entries = metadata.state_dict_metadata
-    for key, rec in sorted(manifest.saved_keys.items()):
-        entry = entries.get(key)
-        if entry is None:
-            problems.append(f"{source}: saved key {key!r} listed in the manifest is absent from DCP metadata")
-            continue
-        if not isinstance(entry, TensorStorageMetadata):
-            problems.append(
-                f"{source}: saved key {key!r} is a {type(entry).__name__} in DCP metadata, not a tensor"
-            )
-            continue
-        got_shape = list(entry.size)
-        if got_shape != list(rec["shape"]):
-            problems.append(
-                f"{source}: saved key {key!r} has global shape {got_shape} in DCP metadata, "
-                f"manifest says {list(rec['shape'])}"
-            )
-        got_dtype = _normalise_dtype(entry.properties.dtype)
-        if got_dtype != _normalise_dtype(rec["dtype"]):
-            problems.append(
-                f"{source}: saved key {key!r} has dtype {got_dtype} in DCP metadata, manifest says {rec['dtype']}"
-            )
-    return problems
-
-
 def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
     """Check a checkpoint offline; see the module docstring for the steps.
 
@@ -113,18 +78,11 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
         )
     report.problems.extend(verify_files(ckpt_dir, manifest))  # 3
     if manifest.format == "torch_dist":  # 4
-        md_path = ckpt_dir / DCP_METADATA_FILENAME
-        if DCP_METADATA_FILENAME not in manifest.files:
-            report.problems.append(
-                f"{md_path}: torch_dist checkpoint whose manifest does not list DCP metadata"
-            )
-        if md_path.is_file():
-            try:
-                metadata = load_dcp_metadata(md_path)
-            except CheckpointError as exc:
-                report.problems.append(str(exc))
-            else:
-                report.problems.extend(_check_dcp_keys(metadata, manifest, md_path))
+        try:
+            report.problems.extend(dcp_problems(ckpt_dir, manifest))
+        except UnsafeCheckpointError as exc:
+            report.problems.append(str(exc))
+    report.problems = list(dict.fromkeys(report.problems))  # a missing file is found by steps 3 and 4
     return report
 
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
 
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from ..checkpoint.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
 from ..checkpoint.sections import DATA, ITERATION, OPT_PARAM_SCHEDULER
 from ..checkpoint.strictness import StrictHandling
 from ..checkpoint.trainable import TORCH, TORCH_DIST
@@ -15,7 +21,7 @@ from ..checkpoint.trainable import TORCH, TORCH_DIST
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["add_checkpoint_args", "validate_checkpoint_args", "TrainerCheckpointing"]
+__all__ = ["add_checkpoint_args", "validate_checkpoint_args", "check_checkpoint_paths", "TrainerCheckpointing"]
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -76,6 +82,84 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--exit-interval must be >= 1, got {args.exit_interval}")
     if args.keep_last_k is not None and args.keep_last_k < 1:
         raise ArgumentError(f"--keep-last-k must be >= 1, got {args.keep_last_k}")
+
+
+def _save_dir_problem(flag: str, value: str) -> str | None:
+    """Why ``value`` cannot be a save directory (created here if missing), or ``None``."""
+    path = Path(value)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".peftckpt-write-test."):
+            pass
+    except FileExistsError:
+        return f"{flag} {value} is a file, not a directory"
+    except OSError as e:
+        return f"{flag} {value} is not a writable directory ({e.strerror or e})"
+    return None
+
+
+def _read_dir_problem(flag: str, value: str, must_exist: bool) -> str | None:
+    """Why ``value`` cannot be read as a checkpoint or save directory, or ``None``."""
+    path = Path(value)
+    if not path.exists():
+        return f"{flag} {value} does not exist" if must_exist else None
+    if not path.is_dir():
+        return f"{flag} {value} is a file, not a checkpoint or save directory"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"{flag} {value} is not readable"
+    return None
+
+
+def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock | None:
+    """Before any model is built or any iteration runs (collective): every rank checks that ``--save`` (and
+    ``--ckpt-convert-save``) is a writable directory, creating it if missing, and that ``--load`` and
+    ``--pretrained-checkpoint`` are readable; rank 0 then locks the save directory for the run's life.
+
+    Returns the lock (rank 0, with ``--save``), to release when the run ends.
+
+    Raises (on every rank, with the same message):
+        ArgumentError: a path flag that cannot work, naming the flag, the path and the rank(s).
+        SaveDirInUseError: another live run holds the save directory.
+    """
+    from .args import ArgumentError
+
+    problems = [p for p in (
+        *(_save_dir_problem(flag, v) for flag, v in (("--save", args.save),
+                                                     ("--ckpt-convert-save", args.ckpt_convert_save)) if v),
+        _read_dir_problem("--load", args.load, must_exist=False) if args.load else None,
+        _read_dir_problem("--pretrained-checkpoint", args.pretrained_checkpoint, must_exist=True)
+        if args.pretrained_checkpoint else None,
+    ) if p is not None]
+    found = _gather(problems)
+    if any(found):
+        lines = dict.fromkeys(p for ps in found for p in ps)
+        ranks = [r for r, ps in enumerate(found) if ps]
+        where = "" if len(found) == 1 else f" (seen by rank(s) {', '.join(map(str, ranks))})"
+        raise ArgumentError("; ".join(lines) + where)
+    lock: SaveDirLock | None = None
+    error: str | None = None
+    target = args.ckpt_convert_save if args.ckpt_convert_format else args.save
+    if rank == 0 and target:
+        try:
+            lock = acquire_save_lock(target)
+        except (CheckpointError, OSError) as e:
+            error = str(e)
+    errors = [e for e in _gather(error) if e]
+    if errors:
+        if lock is not None:
+            lock.release()
+        in_use = SaveDirInUseError(errors[0])
+        in_use.every_rank = True
+        raise in_use
+    return lock
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class TrainerCheckpointing:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
+import signal
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from ..checkpoint.errors import CheckpointError
 from .args import ArgumentError
 
-__all__ = ["run_training", "run_with_process_group", "exit_multi_rank"]
+__all__ = ["run_training", "run_with_process_group", "end_with_launcher", "exit_multi_rank"]
 
 
 def run_with_process_group(body: Callable[[], None], world_size: int, rank: int, prog: str) -> int:
@@ -22,6 +24,7 @@ def run_with_process_group(body: Callable[[], None], world_size: int, rank: int,
 
     A user error (bad flag value found late, bad checkpoint) is printed as ``peftckpt <prog>: error: ...``
     and gives 2 (flags) or 1 (checkpoints)."""
+    end_with_launcher()
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(minutes=10))
     code = 1
@@ -29,7 +32,8 @@ def run_with_process_group(body: Callable[[], None], world_size: int, rank: int,
         body()
         code = 0
     except (ArgumentError, CheckpointError) as e:
-        if rank == 0 or not isinstance(e, ArgumentError):
+        # Raised alike on every rank: said once, by rank 0. Other errors may be one rank's own.
+        if rank == 0 or not (isinstance(e, ArgumentError) or getattr(e, "every_rank", False)):
             print(f"peftckpt {prog}: error: {e}", file=sys.stderr)
         code = 2 if isinstance(e, ArgumentError) else 1
     finally:
@@ -48,11 +52,41 @@ def run_training(args: argparse.Namespace, world_size: int, rank: int) -> int:
     """Train per ``args`` (see :class:`~peftckpt.train.trainer.Trainer`); returns the exit code."""
 
     def body() -> None:
+        from .checkpointing import check_checkpoint_paths
         from .trainer import Trainer
 
-        Trainer(args, world_size, rank).run()
+        lock = check_checkpoint_paths(args, rank)  # before any model is built: fail now, not after training
+        try:
+            Trainer(args, world_size, rank).run()
+        finally:
+            if lock is not None:
+                lock.release()
 
     return run_with_process_group(body, world_size, rank, "train")
+
+
+def end_with_launcher() -> None:
+    """Under ``torchrun``, make this worker die with its launcher.
+
+    torchrun starts each worker in a session of its own, so a launcher killed with SIGKILL (OOM killer,
+    ``kill -9``) takes no worker with it: they would go on training and saving into ``--save`` next to a
+    rerun. Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``) sends SIGKILL to the worker the moment
+    its parent exits; a kill is safe at any point, since a save commits atomically or not at all. Elsewhere
+    (not Linux, not under torchrun) nothing changes."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the signal was armed
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def exit_multi_rank(code: int, world_size: int) -> int:

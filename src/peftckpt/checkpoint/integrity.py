@@ -1,0 +1,214 @@
+"""Is a ``torch_dist`` checkpoint whole? DCP's ``.metadata`` cross-checked against the manifest.
+
+The manifest's checksums prove that the files it lists are intact; they say nothing about whether those
+files are the ones DCP will read, or whether they hold every tensor. :func:`storage_problems` closes that gap,
+from the two small files alone (no data is read), so the commit, ``verify``, ``inspect``, every load and the
+offline tools run the same check:
+
+1. Every storage item names a safe relative path (no ``..``, not absolute) of a regular file inside the
+   checkpoint (no symlink, FIFO or device) that the manifest lists, and its byte range lies inside the
+   recorded size without overlapping another item's.
+2. Every tensor's chunks lie inside its global shape and cover it exactly once (no hole, no overlap), each
+   chunk has a storage item, and that item is long enough for the chunk's elements -- so reading a
+   checkpoint never allocates more than its files' size, whatever ``.metadata`` declares.
+3. Every model tensor the manifest records (``saved_keys``) is a tensor in ``.metadata`` with the recorded
+   global shape and dtype: the manifest is trusted only where it agrees with what is stored.
+
+A save that lost a rank's files (another run deleted them, a shard that was never written) is refused before
+it commits, and an existing checkpoint with such damage is refused by name before anything is read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from peftckpt.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from peftckpt.checkpoint.manifest import Manifest
+from peftckpt.checkpoint.paths import recorded_file_problem, relpath_problem
+from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
+
+__all__ = ["DCP_METADATA_FILENAME", "dcp_problems", "storage_problems", "coverage_problem", "key_record_problems"]
+
+DCP_METADATA_FILENAME = ".metadata"
+"""DCP's global metadata file inside a ``torch_dist`` checkpoint directory."""
+
+_MAX_REPORTED = 20
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _dims(value: object) -> list[int] | None:
+    """``value`` as a list of non-negative ints (a ``torch.Size`` or sequence), else ``None``."""
+    if not isinstance(value, (torch.Size, list, tuple)) or not all(_is_count(d) for d in value):
+        return None
+    return [int(d) for d in value]
+
+
+def coverage_problem(key: str, shape: Sequence[int], chunks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
+    """Why ``chunks`` (``(offsets, sizes)`` pairs) do not tile ``shape`` exactly once, or ``None``.
+
+    Each chunk must lie inside the shape; no two may overlap; together they must cover every element (with
+    no overlap, covering is equivalent to the chunk volumes summing to the tensor's)."""
+    total = math.prod(shape)
+    for offsets, sizes in chunks:
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            return f"{key!r}: a chunk of rank {len(sizes)} in a tensor of shape {list(shape)}"
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            return f"{key!r}: chunk at offsets {list(offsets)} of size {list(sizes)} exceeds the global shape {list(shape)}"
+    boxes = [(list(o), list(s)) for o, s in chunks if math.prod(s) > 0]
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1:]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)):
+                return (f"{key!r}: chunks at offsets {oa} and {ob} overlap (two ranks wrote the same elements; "
+                        "a wrong fused-layout declaration or replication does this)")
+    covered = sum(math.prod(s) for _, s in boxes)
+    if covered != total:
+        return (f"{key!r}: its chunks cover {covered} of {total} elements of shape {list(shape)}: a shard "
+                "never reached the checkpoint")
+    return None
+
+
+def key_record_problems(metadata: Metadata, records: Mapping[str, Mapping[str, Any]], source: Path) -> list[str]:
+    """Model tensors the manifest records that ``.metadata`` lacks, or stores with another shape or dtype."""
+    problems = []
+    entries = metadata.state_dict_metadata
+    for key, rec in sorted(records.items()):
+        entry = entries.get(key)
+        if entry is None:
+            problems.append(f"{source}: saved key {key!r} listed in the manifest is absent from DCP metadata")
+        elif not isinstance(entry, TensorStorageMetadata):
+            problems.append(f"{source}: saved key {key!r} is a {type(entry).__name__} in DCP metadata, not a tensor")
+        else:
+            if list(entry.size) != list(rec["shape"]):
+                problems.append(f"{source}: saved key {key!r} has global shape {list(entry.size)} in DCP "
+                                f"metadata, manifest says {list(rec['shape'])}")
+            dtype = str(entry.properties.dtype).removeprefix("torch.")
+            if dtype != str(rec["dtype"]).removeprefix("torch."):
+                problems.append(f"{source}: saved key {key!r} has dtype {dtype} in DCP metadata, "
+                                f"manifest says {rec['dtype']}")
+    return problems
+
+
+def _item_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[str, Any]]) -> tuple[
+        list[str], dict[MetadataIndex, int]]:
+    """Step 1 of the module docstring; also returns each valid item's byte length."""
+    problems: list[str] = []
+    lengths: dict[MetadataIndex, int] = {}
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        return [f"{root}/.metadata: has no storage item table (not written by a file-system DCP writer)"], lengths
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            problems.append(f"{root}/.metadata: a storage item of unexpected type {type(info).__name__}")
+            continue
+        rel, offset, length = info.relative_path, info.offset, info.length
+        where = f"{root}/.metadata: storage item of {index.fqn!r}"
+        if info.transform_descriptors:
+            problems.append(f"{where} is stored through transforms {info.transform_descriptors!r} "
+                            "(compression?), which peftckpt never writes")
+            continue
+        why = relpath_problem(rel)
+        if why is not None:
+            problems.append(f"{where} names file {rel!r}, which {why}; refusing to read outside the checkpoint")
+            continue
+        if rel not in files:
+            problems.append(f"{where} is in {root / rel}, a file the manifest does not list")
+            continue
+        if not (_is_count(offset) and _is_count(length)) or offset + length > files[rel]["size"]:
+            problems.append(f"{where}: bytes [{offset}, {offset}+{length}) lie outside {root / rel} "
+                            f"({files[rel]['size']} bytes)")
+            continue
+        lengths[index] = length
+        ranges.setdefault(rel, []).append((offset, length, index.fqn))
+    for rel, spans in sorted(ranges.items()):
+        problem = recorded_file_problem(root, rel, files[rel]["size"])
+        if problem is not None:
+            problems.append(problem)
+            continue
+        spans.sort()
+        for (a, n, k1), (b, _m, k2) in zip(spans, spans[1:]):
+            if b < a + n:
+                problems.append(f"{root / rel}: the bytes of {k1!r} and {k2!r} overlap")
+    return problems, lengths
+
+
+def _entry_problems(key: str, md: object, lengths: Mapping[MetadataIndex, int], root: Path) -> list[str]:
+    """Step 2 of the module docstring for one entry of ``state_dict_metadata``."""
+    where = f"{root}/.metadata"
+    if isinstance(md, BytesStorageMetadata):
+        return [] if MetadataIndex(key) in lengths else [f"{where}: object {key!r} has no valid storage item"]
+    if not isinstance(md, TensorStorageMetadata):
+        return [f"{where}: entry {key!r} is a {type(md).__name__}, not tensor or object metadata"]
+    shape = _dims(md.size)
+    dtype = getattr(md.properties, "dtype", None)
+    if shape is None or not isinstance(dtype, torch.dtype) or not isinstance(md.chunks, list):
+        return [f"{where}: tensor {key!r} has a malformed shape, dtype or chunk list"]
+    chunks: list[tuple[list[int], list[int]]] = []
+    problems = []
+    for chunk in md.chunks:
+        offsets = _dims(getattr(chunk, "offsets", None)) if isinstance(chunk, ChunkStorageMetadata) else None
+        sizes = _dims(getattr(chunk, "sizes", None)) if isinstance(chunk, ChunkStorageMetadata) else None
+        if offsets is None or sizes is None:
+            return [f"{where}: tensor {key!r} has a malformed chunk"]
+        length = lengths.get(MetadataIndex(key, torch.Size(offsets)))
+        if length is None:
+            problems.append(f"{where}: chunk of {key!r} at offsets {offsets} has no valid storage item")
+        elif math.prod(sizes) * dtype.itemsize > length:
+            problems.append(f"{where}: chunk of {key!r} at offsets {offsets} declares {list(sizes)} {dtype} "
+                            f"elements, more than its {length} stored bytes can hold")
+        chunks.append((offsets, sizes))
+    why = coverage_problem(key, shape, chunks)
+    return problems + ([f"{where}: {why}"] if why else [])
+
+
+def storage_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[str, Any]],
+                     saved_keys: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Everything that makes checkpoint ``root`` not whole (module docstring, steps 1-3); empty when whole.
+
+    ``files`` and ``saved_keys`` are the manifest's records (or, at commit time, what is about to be
+    recorded). At most a few dozen problems are listed, then a count."""
+    problems, lengths = _item_problems(root, metadata, files)
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        return problems + [f"{root}/.metadata: has no state-dict metadata"]
+    for key, md in sorted(entries.items(), key=lambda kv: str(kv[0])):
+        if not isinstance(key, str):
+            problems.append(f"{root}/.metadata: an entry named by a {type(key).__name__}, not a string")
+            continue
+        problems.extend(_entry_problems(key, md, lengths, root))
+    problems.extend(key_record_problems(metadata, saved_keys, root / ".metadata"))
+    if len(problems) > _MAX_REPORTED:
+        problems = problems[:_MAX_REPORTED] + [f"... and {len(problems) - _MAX_REPORTED} more problem(s)"]
+    return problems
+
+
+def dcp_problems(ckpt_dir: Path, manifest: Manifest) -> list[str]:
+    """Raises :class:`UnsafeCheckpointError` for a ``.metadata`` the restricted unpickler refuses; otherwise
+    returns the problems (empty when whole): whether a ``torch_dist`` checkpoint's DCP
+    metadata is present, safe to read and describes a whole checkpoint made of the manifest's files."""
+    md_path = ckpt_dir / DCP_METADATA_FILENAME
+    if DCP_METADATA_FILENAME not in manifest.files:
+        return [f"{md_path}: torch_dist checkpoint whose manifest does not list DCP metadata"]
+    try:
+        metadata = load_dcp_metadata(md_path)
+    except UnsafeCheckpointError:
+        raise
+    except CheckpointError as exc:
+        return [str(exc)]
+    return storage_problems(ckpt_dir, metadata, manifest.files, manifest.saved_keys)
