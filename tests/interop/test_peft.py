@@ -172,3 +172,24 @@ def test_export_peft_refuses_a_checkpoint_without_lora(base: Path, tmp_path: Pat
     proc = peftckpt(["export-peft", str(base), str(tmp_path / "out")], check=False)
     assert proc.returncode == 1
     assert "was not trained with LoRA (its manifest has no adapter_config)" in proc.stderr
+
+
+def test_exports_refuse_an_adapter_config_contradicting_the_tensors(lora_run: Path, tmp_path: Path) -> None:
+    """Issue 13: a manifest whose adapter rank was altered (and re-checksummed) passes verify, which treats the
+    adapter config as opaque, but no export writes a PEFT config or merge that contradicts the stored tensors."""
+    import shutil
+
+    ckpt, _ = resolve_checkpoint_dir(lora_run)
+    copy = Path(shutil.copytree(ckpt, tmp_path / "save" / ckpt.name))
+    manifest = json.loads((copy / "metadata.json").read_text())
+    manifest.pop("manifest_sha256")
+    manifest["adapter_config"]["rank"] = 8  # trained with --lora-rank 4
+    (copy / "metadata.json").write_text(json.dumps(manifest))
+    for command in ("export-peft", "export-hf"):
+        out = tmp_path / command
+        proc = peftckpt([command, str(copy), str(out)], check=False)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
+        assert "the manifest's adapter_config says rank 8, but the stored adapter tensors disagree" in proc.stderr
+        assert "lora_A: shape [4, " in proc.stderr
+        assert not out.exists()

@@ -42,6 +42,7 @@ from .errors import (
     CheckpointMismatchError,
     StrictnessError,
     UnsafeCheckpointError,
+    as_read_error,
     unwrap_dcp_error,
 )
 from .faults import fault_point
@@ -526,8 +527,11 @@ class Checkpointer:
                   not in files]
         files.update(checksum(others, c.staging))
         if c.options.ckpt_format == TORCH_DIST:
-            problems = storage_problems(c.staging, load_dcp_metadata(c.staging / DCP_METADATA_FILENAME),
-                                        files, saved_keys)
+            try:
+                metadata = load_dcp_metadata(c.staging / DCP_METADATA_FILENAME)
+                problems = storage_problems(c.staging, metadata, files, saved_keys)
+            except CheckpointError as e:  # e.g. the staging directory was removed under the save
+                problems = [str(e)]
             if problems:
                 raise CheckpointIntegrityError("the written checkpoint is not whole, so it is not committed:\n  "
                                                + "\n  ".join(problems))
@@ -576,9 +580,9 @@ class Checkpointer:
         pending = _Verify(ckpt)
         shard = (self.rank, self.world)
         later = options.verify_while_reading and manifest.format == TORCH_DIST
-        problems: list[str] = []
-        if options.verify_checksums:
-            problems = verify_files(ckpt, manifest, shard, hash_if=(lambda rel: not is_data_file(rel)) if later else None)
+        # Presence, type and size of every file always (cheap); the hashing as the options say.
+        hash_if = (lambda rel: not is_data_file(rel)) if later else None
+        problems = verify_files(ckpt, manifest, shard, hash_if=hash_if if options.verify_checksums else lambda _: False)
         error: UnsafeCheckpointError | None = None
         if manifest.format == TORCH_DIST and self.rank == 0:
             # Always, checksums or not: no storage item may lead outside the checkpoint or past a file's end.
@@ -588,12 +592,11 @@ class Checkpointer:
                 error = e
         self._agree(error)
         self._raise_if_damaged(pending, problems)
-        if options.verify_checksums:
-            if later:
-                rels = [rel for rel in files_share(manifest, shard) if is_data_file(rel)]
-                executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-verify")
-                pending.future = executor.submit(verify_checksums, ckpt, manifest, rels)
-                executor.shutdown(wait=False)
+        if options.verify_checksums and later:
+            rels = [rel for rel in files_share(manifest, shard) if is_data_file(rel)]
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-verify")
+            pending.future = executor.submit(verify_checksums, ckpt, manifest, rels)
+            executor.shutdown(wait=False)
         return ckpt, iteration, manifest, pending
 
     def _raise_if_damaged(self, v: _Verify, problems: list[str], after_read: bool = False) -> None:
@@ -602,7 +605,8 @@ class Checkpointer:
         if all_problems:
             raise CheckpointIntegrityError(
                 f"checkpoint {v.ckpt} is damaged:\n  " + "\n  ".join(all_problems)
-                + "\n(--no-verify-checksums skips this check)"
+                + ("\n(--no-verify-checksums skips the checksums)" if any("checksum mismatch" in p for p in all_problems)
+                   else "")
                 + ("\nits data files were checked while they were read, so the model and optimizer may hold "
                    "values from them: load again from an intact checkpoint" if after_read else "")
             )
@@ -751,7 +755,7 @@ class Checkpointer:
         try:
             dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner())
         except BaseException as e:  # noqa: BLE001 - reported collectively
-            error = unwrap_dcp_error(e)
+            error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
         if verification.future is not None:
             try:
                 problems = verification.future.result()

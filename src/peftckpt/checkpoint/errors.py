@@ -6,6 +6,8 @@ the flag that changes the behaviour.
 
 from __future__ import annotations
 
+import pickle
+
 from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
@@ -17,6 +19,8 @@ __all__ = [
     "CheckpointMismatchError",
     "StrictnessError",
     "unwrap_dcp_error",
+    "as_read_error",
+    "weights_only_reason",
 ]
 
 
@@ -59,4 +63,30 @@ def unwrap_dcp_error(e: BaseException) -> BaseException:
             inner = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(inner, BaseException):
                 return inner
+    return e
+
+
+def weights_only_reason(text: str) -> str:
+    """The line of a ``torch.load(weights_only=True)`` refusal that names what was refused (torch's message is
+    mostly advice to turn the check off)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "WeightsUnpickler error:" in line or "GLOBAL" in line:
+            return line[line.find("WeightsUnpickler error:"):] if "WeightsUnpickler error:" in line else line
+    return lines[0] if lines else text
+
+
+def as_read_error(e: BaseException, source: object) -> BaseException:
+    """A failure of DCP reading checkpoint ``source``'s data as the library's error (after
+    :func:`unwrap_dcp_error`): an item that ``torch.load(weights_only=True)`` refuses is an
+    :class:`UnsafeCheckpointError`, unreadable bytes a :class:`CheckpointIntegrityError`. Library errors,
+    interrupts and anything else (bugs keep their traceback) are returned unchanged."""
+    text = str(e)
+    if isinstance(e, pickle.UnpicklingError):
+        reason = weights_only_reason(text)
+        return UnsafeCheckpointError(f"a tensor item of checkpoint {source} cannot be loaded with "
+                                     f"torch.load(weights_only=True), so it is refused (it could run code): {reason}")
+    if isinstance(e, (OSError, EOFError, RuntimeError, ValueError)) and not isinstance(e, CheckpointError):
+        return CheckpointIntegrityError(f"checkpoint {source} cannot be read: {type(e).__name__}: "
+                                        f"{text.splitlines()[0] if text else ''}")
     return e

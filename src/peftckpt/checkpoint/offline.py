@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..sharding.entries import global_tensor_of
 from .checksums import verify_files
-from .errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, unwrap_dcp_error
+from .errors import CheckpointFormatError, CheckpointIntegrityError, as_read_error, unwrap_dcp_error
 from .fingerprint import base_fingerprint
 from .integrity import dcp_problems
 from .manifest import Manifest, read_manifest
@@ -57,13 +57,10 @@ class OfflineCheckpoint:
             try:
                 dcp.load(request, storage_reader=reader, no_dist=True)
             except BaseException as e:  # DCP wraps failures in CheckpointException (a BaseException)
-                inner = unwrap_dcp_error(e)
-                if isinstance(inner, CheckpointError):
-                    raise inner from None
-                if isinstance(inner, (KeyboardInterrupt, SystemExit)):
+                inner = as_read_error(unwrap_dcp_error(e), self.path)
+                if inner is e:
                     raise
-                raise CheckpointIntegrityError(f"checkpoint {self.path} cannot be read: "
-                                               f"{type(inner).__name__}: {inner}") from inner
+                raise inner from None
         return {k[len(prefix):]: v for k, v in request.items()}
 
 
@@ -77,7 +74,7 @@ def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
         raise CheckpointFormatError(
             f"{what} {ckpt} is in the {manifest.format!r} format; the offline tools read torch_dist only: "
             "convert it with `peftckpt train --load ... --ckpt-convert-format torch_dist --ckpt-convert-save DIR`")
-    problems = verify_files(ckpt, manifest) if verify_checksums else []
+    problems = verify_files(ckpt, manifest, hash_if=None if verify_checksums else (lambda _rel: False))
     problems = list(dict.fromkeys(problems + dcp_problems(ckpt, manifest)))  # always: nothing read from outside
     if problems:
         raise CheckpointIntegrityError(f"{what} {ckpt} is damaged:\n  " + "\n  ".join(problems))

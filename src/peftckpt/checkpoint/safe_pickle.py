@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from peftckpt.checkpoint.errors import CheckpointFormatError, UnsafeCheckpointError
+from peftckpt.checkpoint.errors import CheckpointFormatError, UnsafeCheckpointError, weights_only_reason
 from peftckpt.checkpoint.paths import read_regular_file
 from peftckpt.checkpoint.readahead import ReadAhead
 
@@ -184,13 +184,7 @@ class _SafeBytesPlanner:
             obj = torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             where = self._reader.describe_item(read_item)
-            # torch's message is a page of advice to turn the check off; keep only the refused global.
-            text = str(exc)
-            reason = (
-                text[text.find("WeightsUnpickler error:") :].split("\n", 1)[0]
-                if "WeightsUnpickler" in text
-                else text
-            )
+            reason = weights_only_reason(str(exc))
             raise UnsafeCheckpointError(
                 f"non-tensor item {where} cannot be loaded with torch.load(weights_only=True), so it is "
                 f"refused (it could run code): {reason}"

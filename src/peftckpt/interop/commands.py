@@ -105,10 +105,21 @@ def _adapter_tensors(ckpt: OfflineCheckpoint) -> dict[str, torch.Tensor]:
     return ckpt.model_tensors(sorted(trainable))
 
 
-def _lora_of(ckpt: OfflineCheckpoint) -> LoRAConfig:
+def _lora_of(ckpt: OfflineCheckpoint, adapters: dict[str, torch.Tensor]) -> LoRAConfig:
+    """The manifest's LoRA config, trusted only where it agrees with the stored ``adapters``' shapes."""
     if not ckpt.manifest.adapter_config:
         raise InteropError(f"checkpoint {ckpt.path} was not trained with LoRA (its manifest has no adapter_config)")
-    return LoRAConfig.from_dict(ckpt.manifest.adapter_config)
+    try:
+        lora = LoRAConfig.from_dict(ckpt.manifest.adapter_config)
+    except (TypeError, ValueError) as e:
+        raise InteropError(f"checkpoint {ckpt.path}: the manifest's adapter_config is invalid: {e}") from None
+    wrong = [f"{k}: shape {list(v.shape)}" for k, v in sorted(adapters.items()) if is_adapter_name(k)
+             and (v.ndim != 2 or v.shape[0 if k.rsplit(".", 1)[-1].startswith("lora_A") else 1] != lora.rank)]
+    if wrong:
+        raise InteropError(f"checkpoint {ckpt.path}: the manifest's adapter_config says rank {lora.rank}, but the "
+                           "stored adapter tensors disagree:\n  " + "\n  ".join(wrong[:10])
+                           + "\nthe manifest was altered or the checkpoint mixes two runs; nothing was written")
+    return lora
 
 
 def export_peft(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str],
@@ -117,7 +128,8 @@ def export_peft(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str],
     out_dir = _fresh_output(out, "OUT")
     ckpt = open_checkpoint(ckpt_path, verify_checksums)
     cfg = GPTConfig.from_dict(ckpt.manifest.model_config)
-    tensors, config = adapter_to_peft(_adapter_tensors(ckpt), cfg, _lora_of(ckpt), base_model_name_or_path)
+    adapters = _adapter_tensors(ckpt)
+    tensors, config = adapter_to_peft(adapters, cfg, _lora_of(ckpt, adapters), base_model_name_or_path)
     write_peft_dir(out_dir, config, tensors)
     return out_dir
 
@@ -159,7 +171,7 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
     base_tensors = {k: v for k, v in tensors.items() if not is_adapter_name(k)}
     hf = gpt_to_hf(base_tensors, cfg)
     if adapters:
-        lora = _lora_of(ckpt)
+        lora = _lora_of(ckpt, adapters)
         peft_tensors, _ = adapter_to_peft(adapters, cfg, lora)
         for key, a in peft_tensors.items():
             if ".lora_A." not in key:
