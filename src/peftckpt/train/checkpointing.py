@@ -124,12 +124,13 @@ def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock |
     from .args import ArgumentError
 
     problems = [p for p in (
-        *(_save_dir_problem(flag, v) for flag, v in (("--save", args.save),
-                                                     ("--ckpt-convert-save", args.ckpt_convert_save)) if v),
         _read_dir_problem("--load", args.load, must_exist=False) if args.load else None,
         _read_dir_problem("--pretrained-checkpoint", args.pretrained_checkpoint, must_exist=True)
         if args.pretrained_checkpoint else None,
     ) if p is not None]
+    if not problems:  # only then create the save directories: a refused run writes nothing
+        problems = [p for flag, v in (("--save", args.save), ("--ckpt-convert-save", args.ckpt_convert_save))
+                    if v and (p := _save_dir_problem(flag, v)) is not None]
     found = _gather(problems)
     if any(found):
         lines = dict.fromkeys(p for ps in found for p in ps)
