@@ -196,6 +196,13 @@ def test_lost_shard_is_refused(ckpt: Path, tmp_path: Path) -> None:
     _refused_everywhere(ckpt, f"chunk of '{KEY}' at offsets \\[32, 0\\] has no valid storage item", tmp_path)
 
 
+def test_data_file_gone_with_its_manifest_entry_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    """What the reported concurrent-save bug committed: .metadata and a manifest, no data file."""
+    (ckpt / "__0_0.distcp").unlink()
+    _rerecord(ckpt, lambda m: m["files"].pop("__0_0.distcp"))
+    _refused_everywhere(ckpt, "a file the manifest does not list", tmp_path)
+
+
 def test_coverage_hole_names_the_key(ckpt: Path, tmp_path: Path) -> None:
     def hole(md: Metadata) -> None:
         tensor = md.state_dict_metadata[KEY]
