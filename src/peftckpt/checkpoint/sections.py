@@ -48,7 +48,8 @@ def dcp_key(section: str, name: str) -> str:
 
 def model_entries(chunk: nn.Module) -> dict[str, Any]:
     """``state_dict(keep_vars=True)`` of a chunk as entries: tensors -> :class:`GlobalTensor` (keeping
-    ``requires_grad`` and the canonical layout of fused parameters), other values (extra state) as is."""
+    ``requires_grad`` and the canonical layout of fused parameters), other values (extra state, and entries a
+    chunk already built itself, e.g. a :class:`~peftckpt.sharding.entries.LazyGlobalTensor`) as is."""
     layouts = fused_layouts(chunk)
     out: dict[str, Any] = {}
     for name, value in chunk.state_dict(keep_vars=True).items():

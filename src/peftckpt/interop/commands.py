@@ -7,14 +7,18 @@ errors) with one message naming the file, key or flag.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
+import shutil
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
@@ -22,13 +26,12 @@ from ..checkpoint.offline import OfflineCheckpoint, fingerprint_of, open_checkpo
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
 from ..model.lora import apply_lora
+from ..sharding.entries import LazyGlobalTensor
+from .hf_dir import HFModelDir
 from .hf_llama import (
     InteropError,
-    config_from_hf,
     config_to_hf,
     gpt_to_hf,
-    hf_to_gpt,
-    read_hf_dir,
     write_hf_dir,
 )
 from .peft import adapter_to_peft, is_adapter_name, peft_to_adapter, read_peft_dir, write_peft_dir
@@ -53,23 +56,59 @@ def _checkpointer(model: GPTModel, cfg: GPTConfig, lora: LoRAConfig | None) -> C
 
 
 # ----------------------------------------------------------------------------------------- import-hf
-def import_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """HF Llama directory -> a full ``torch_dist`` base checkpoint (iteration 0) in the save directory ``out``."""
-    out_dir = _fresh_output(out, "OUT")
-    hf_config, hf_tensors = read_hf_dir(hf_dir)
-    cfg = config_from_hf(hf_config)
-    ours = hf_to_gpt(hf_tensors, cfg, f"{hf_dir}")
-    model = GPTModel(cfg)
-    state = model.state_dict()
-    wrong = [f"{k}: HF {list(v.shape)}, expected {list(state[k].shape)}" for k, v in ours.items()
-             if tuple(v.shape) != tuple(state[k].shape)]
-    if wrong:
-        raise InteropError(f"{hf_dir}: tensor shapes do not match {Path(hf_dir) / 'config.json'}:\n  "
-                           + "\n  ".join(wrong[:10]))
-    model.load_state_dict({k: v.float() for k, v in ours.items()}, strict=True)
-    args = {"source": "import-hf", "hf_dir": str(Path(hf_dir).absolute())}
-    return _checkpointer(model, cfg, None).save(out_dir, 0, {}, SaveOptions(save_optim=False, save_rng=False),
-                                                args=args)
+class _StreamedChunk(nn.Module):
+    """A model chunk whose entries are produced tensor by tensor while they are written (see
+    :class:`~peftckpt.sharding.entries.LazyGlobalTensor`): a save through it holds one tensor at a time."""
+
+    def __init__(self, entries: dict[str, LazyGlobalTensor]):
+        super().__init__()
+        self._entries = entries
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return dict(self._entries)
+
+
+@contextlib.contextmanager
+def _output_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A new (or empty) output directory ``OUT`` that is removed again if the command fails: nothing
+    half-written is left behind."""
+    out = _fresh_output(path, "OUT")
+    existed = out.exists()
+    try:
+        yield out
+    except BaseException:
+        if existed:
+            for child in out.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def import_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:
+    """HF Llama directory -> a full ``torch_dist`` base checkpoint (iteration 0) in the save directory ``out``.
+
+    Streams: the directory is validated from its headers first, then each of our tensors is assembled from
+    the HF bytes as it is written, in the HF files' dtype (or ``dtype``); peak memory is a few tensors."""
+    hf = HFModelDir(hf_dir)
+    with _output_dir(out) as out_dir:
+        entries = {name: LazyGlobalTensor(shape, dtype or src, functools.partial(_read_as, hf, name, dtype))
+                   for name, (shape, src) in hf.ours.items()}
+        args = {"source": "import-hf", "hf_dir": str(Path(hf_dir).absolute())}
+        ckpt = Checkpointer([_StreamedChunk(entries)], None, layout=_SINGLE, coords=_COORDS,
+                            model_config=hf.config.to_dict())
+        try:
+            return ckpt.save(out_dir, 0, {}, SaveOptions(save_optim=False, save_rng=False), args=args)
+        finally:
+            ckpt.close()
+
+
+def _read_as(hf: HFModelDir, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    t = hf.read(name)
+    return t if dtype is None else t.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------- import-peft
@@ -204,7 +243,10 @@ def import_hf_main(argv: Sequence[str]) -> int:
         "base checkpoint, usable as --pretrained-checkpoint at any TP/PP. `train` reads the architecture from it."))
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out", metavar="OUT", help="new save directory (must not exist or be empty)")
-    return _run("import-hf", p, argv, lambda a: (f"imported {a.hf_dir} -> {import_hf(a.hf_dir, a.out)}"))
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="store the base in this dtype (default: each tensor's dtype in the HF files)")
+    return _run("import-hf", p, argv, lambda a: (
+        f"imported {a.hf_dir} -> {import_hf(a.hf_dir, a.out, getattr(torch, a.dtype) if a.dtype else None)}"))
 
 
 def import_peft_main(argv: Sequence[str]) -> int:

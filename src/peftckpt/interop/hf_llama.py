@@ -22,7 +22,8 @@ from ..model.config import GPTConfig
 from ..model.fused import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
 __all__ = ["InteropError", "config_from_hf", "config_to_hf", "hf_to_gpt", "gpt_to_hf", "read_hf_dir", "write_hf_dir",
-           "HF_PROJECTIONS", "hf_module_of"]
+           "HF_PROJECTIONS", "hf_module_of", "our_linear_of", "hf_one_to_one", "CONFIG_FILE", "SAFETENSORS_FILE",
+           "SAFETENSORS_INDEX"]
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -115,7 +116,7 @@ def config_to_hf(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> dict[str
 
 
 # ------------------------------------------------------------------------------------------ weights
-def _layer_names(cfg: GPTConfig) -> Iterator[tuple[str, str]]:
+def hf_one_to_one(cfg: GPTConfig) -> Iterator[tuple[str, str]]:
     """(our name, HF name) of the tensors that map one to one."""
     yield "embedding.word_embeddings.weight", "model.embed_tokens.weight"
     for n in range(cfg.num_layers):
@@ -138,7 +139,7 @@ def hf_to_gpt(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, source: str) -> di
         used.add(name)
         return hf[name]
 
-    out = {ours: take(theirs) for ours, theirs in _layer_names(cfg)}
+    out = {ours: take(theirs) for ours, theirs in hf_one_to_one(cfg)}
     for n in range(cfg.num_layers):
         q, k, v = (take(f"{hf_module_of(n, p)}.weight") for p in ("q_proj", "k_proj", "v_proj"))
         gate, up = (take(f"{hf_module_of(n, p)}.weight") for p in ("gate_proj", "up_proj"))
@@ -157,7 +158,7 @@ def hf_to_gpt(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, source: str) -> di
 
 def gpt_to_hf(tensors: Mapping[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """Our model tensors -> HF Llama tensors (splitting the fused projections)."""
-    out = {theirs: tensors[ours] for ours, theirs in _layer_names(cfg)}
+    out = {theirs: tensors[ours] for ours, theirs in hf_one_to_one(cfg)}
     for n in range(cfg.num_layers):
         q, k, v = split_qkv(tensors[f"{our_linear_of(n, 'linear_qkv')}.weight"], cfg)
         gate, up = split_gate_up(tensors[f"{our_linear_of(n, 'linear_fc1')}.weight"], cfg)

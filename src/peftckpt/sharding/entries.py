@@ -10,7 +10,7 @@ Pieces are views of the live tensors: a load writes straight into the model and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .layout import FusedChunks
 
-__all__ = ["Piece", "GlobalTensor", "global_tensor_of"]
+__all__ = ["Piece", "GlobalTensor", "LazyGlobalTensor", "global_tensor_of"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,25 @@ class GlobalTensor:
     def __repr__(self) -> str:
         return (f"GlobalTensor(shape={list(self.global_shape)}, dtype={self.dtype}, pieces={len(self.pieces)}, "
                 f"requires_grad={self.requires_grad})")
+
+
+class LazyGlobalTensor(GlobalTensor):
+    """A whole global tensor produced only when DCP writes it (``load()``), e.g. streamed from another file
+    format: a save then holds one such tensor in memory at a time. Its one piece is a meta tensor that gives
+    DCP the shape and dtype to plan with."""
+
+    def __init__(self, global_shape: Sequence[int], dtype: torch.dtype, load: Callable[[], torch.Tensor]):
+        super().__init__(global_shape, dtype, [Piece((0,) * len(global_shape),
+                                                     torch.empty(global_shape, dtype=dtype, device="meta"))],
+                         replicated=True, frozen=True)
+        self._load = load
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        t = self._load()
+        if t.shape != self.global_shape or t.dtype != self.dtype:
+            raise ValueError(f"{index.fqn}: produced {t.dtype} {list(t.shape)}, announced {self.dtype} "
+                             f"{list(self.global_shape)}")
+        return t
 
 
 def _local_view(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,199 @@
+"""An HF Llama model directory read lazily, as our model's tensors: any region of any of our global tensors
+is assembled from the HF files' bytes on demand.
+
+Opening validates everything that can be known without reading a weight: ``config.json`` maps to our
+architecture, the index names no missing shard, every safetensors header is intact and covers its bytes,
+and exactly the tensors a Llama of that config has are present, with their shapes. Reading then fetches
+only the bytes of the requested rows and columns: a TP rank reading its shard of ``linear_qkv`` reads its
+query groups' rows of ``q_proj``, ``k_proj`` and ``v_proj``, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..model.config import GPTConfig
+from .hf_llama import (
+    CONFIG_FILE,
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    InteropError,
+    config_from_hf,
+    hf_module_of,
+    hf_one_to_one,
+    our_linear_of,
+)
+from .safetensors_io import SafetensorsError, SafetensorsFile
+
+__all__ = ["HFModelDir", "is_hf_dir"]
+
+# (HF tensor, first HF row, number of rows) pieces that make up a run of our rows, in order.
+Segments = list[tuple[str, int, int]]
+
+
+def is_hf_dir(path: str | os.PathLike[str]) -> bool:
+    """An HF model directory (``config.json`` and no peftckpt manifest or tracker)."""
+    p = Path(path)
+    return (p / CONFIG_FILE).is_file() and not (p / "metadata.json").exists()
+
+
+class HFModelDir:
+    """A validated HF Llama directory; :meth:`read` returns regions of our (fused, global) tensors."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        config_path = self.path / CONFIG_FILE
+        if not config_path.is_file():
+            raise InteropError(f"{self.path} is not an HF model directory: {CONFIG_FILE} is missing")
+        try:
+            self.hf_config = json.loads(config_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InteropError(f"{config_path} is not valid JSON: {e}") from None
+        if not isinstance(self.hf_config, dict):
+            raise InteropError(f"{config_path} must hold a JSON object")
+        self.config: GPTConfig = config_from_hf(self.hf_config)
+        self.files: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, SafetensorsFile] = {}
+        """HF tensor name -> the file holding it."""
+        for name, tensors_listed in self._file_names().items():
+            f = self.path / name
+            if not f.is_file():
+                raise InteropError(f"{self.path / SAFETENSORS_INDEX} lists shard {name} (e.g. for tensor "
+                                   f"{tensors_listed[0]!r}), which is missing from {self.path}")
+            try:
+                st = SafetensorsFile(f)
+            except SafetensorsError as e:
+                raise InteropError(str(e)) from None
+            self.files[name] = st
+            for key in st.tensors:
+                if key in self.where:
+                    raise InteropError(f"{self.path}: tensor {key!r} is in both {self.where[key].path.name} and {name}")
+                self.where[key] = st
+            absent = [k for k in tensors_listed if k not in st.tensors]
+            if absent:
+                raise InteropError(f"{self.path / SAFETENSORS_INDEX} maps {absent[0]!r} to {name}, which does not "
+                                   "hold it")
+        self._check_tensors()
+        self.ours = self.our_shapes()
+        """Our model tensors: name -> (global shape, dtype in the HF files)."""
+
+    def _file_names(self) -> dict[str, list[str]]:
+        """Shard file -> the tensors the index puts there (one unindexed file: all of them)."""
+        index = self.path / SAFETENSORS_INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files: dict[str, list[str]] = {}
+                for key, name in weight_map.items():
+                    if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+                        raise InteropError(f"{index}: tensor {key!r} maps to {name!r}, not a file of {self.path}")
+                    files.setdefault(name, []).append(key)
+                return files
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, AttributeError) as e:
+                raise InteropError(f"{index} is not a valid safetensors index: {e!r}") from None
+        if (self.path / SAFETENSORS_FILE).is_file():
+            return {SAFETENSORS_FILE: []}
+        raise InteropError(f"{self.path}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} (only safetensors weights "
+                           "are read: pickled .bin files could run code)")
+
+    # ------------------------------------------------------------------------------------- layout
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a Llama of :attr:`config` has in HF naming, with its shape."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.groups * c.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+                                              "model.norm.weight": (c.hidden_size,)}
+        if c.untie_embeddings_and_output_weights:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        for n in range(c.num_layers):
+            shapes[f"model.layers.{n}.input_layernorm.weight"] = (c.hidden_size,)
+            shapes[f"model.layers.{n}.post_attention_layernorm.weight"] = (c.hidden_size,)
+            for proj, shape in (("q_proj", (q, c.hidden_size)), ("k_proj", (kv, c.hidden_size)),
+                                ("v_proj", (kv, c.hidden_size)), ("o_proj", (c.hidden_size, q)),
+                                ("gate_proj", (c.ffn, c.hidden_size)), ("up_proj", (c.ffn, c.hidden_size)),
+                                ("down_proj", (c.hidden_size, c.ffn))):
+                shapes[f"{hf_module_of(n, proj)}.weight"] = shape
+        return shapes
+
+    def _check_tensors(self) -> None:
+        expected = self.hf_shapes()
+        tied_head = not self.config.untie_embeddings_and_output_weights and "lm_head.weight" in self.where
+        problems = [f"tensor {k!r} is missing" for k in expected if k not in self.where]
+        for key, shape in expected.items():
+            info = self.where[key].tensors[key] if key in self.where else None
+            if info is not None and info.shape != shape:
+                problems.append(f"tensor {key!r} in {self.where[key].path.name} has shape {list(info.shape)}, "
+                                f"{CONFIG_FILE} implies {list(shape)}")
+            if info is not None and not info.dtype.is_floating_point:
+                problems.append(f"tensor {key!r} in {self.where[key].path.name} is {info.dtype}, not floating point")
+        extra = sorted(k for k in self.where if k not in expected and not k.endswith("rotary_emb.inv_freq")
+                       and not (k == "lm_head.weight" and tied_head))
+        if extra:
+            problems.append(f"{len(extra)} tensor(s) do not belong to a Llama of this config: {extra[:5]}")
+        if problems:
+            raise InteropError(f"{self.path}: " + "; ".join(problems[:10]))
+
+    def our_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Our model tensors (global shape, dtype as stored in the HF files) in our naming."""
+        c = self.config
+        out = {}
+        for ours, theirs in hf_one_to_one(c):
+            info = self.where[theirs].tensors[theirs]
+            out[ours] = (info.shape, info.dtype)
+        for n in range(c.num_layers):
+            q = self.where[f"{hf_module_of(n, 'q_proj')}.weight"].tensors[f"{hf_module_of(n, 'q_proj')}.weight"]
+            g = self.where[f"{hf_module_of(n, 'gate_proj')}.weight"].tensors[f"{hf_module_of(n, 'gate_proj')}.weight"]
+            out[f"{our_linear_of(n, 'linear_qkv')}.weight"] = ((c.qkv_size, c.hidden_size), q.dtype)
+            out[f"{our_linear_of(n, 'linear_fc1')}.weight"] = ((2 * c.ffn, c.hidden_size), g.dtype)
+        return out
+
+    def _segments(self, ours: str, r0: int, r1: int) -> Segments:
+        c = self.config
+        for n in range(c.num_layers):
+            if ours == f"{our_linear_of(n, 'linear_fc1')}.weight":
+                gate, up = (f"{hf_module_of(n, p)}.weight" for p in ("gate_proj", "up_proj"))
+                parts = [(gate, 0, c.ffn), (up, 0, c.ffn)]
+                return _intersect(parts, r0, r1)
+            if ours == f"{our_linear_of(n, 'linear_qkv')}.weight":
+                q, k, v = (f"{hf_module_of(n, p)}.weight" for p in ("q_proj", "k_proj", "v_proj"))
+                hd, hpg = c.head_dim, c.num_attention_heads // c.groups
+                block = (hpg + 2) * hd
+                parts = []
+                for g in range(r0 // block, (r1 - 1) // block + 1):  # only the groups the rows touch
+                    offset = g * block
+                    group = [(q, g * hpg * hd, hpg * hd), (k, g * hd, hd), (v, g * hd, hd)]
+                    parts += [(name, start, rows) for name, start, rows in
+                              _intersect(group, r0 - offset, r1 - offset)]
+                return parts
+        theirs = dict(hf_one_to_one(c)).get(ours)
+        if theirs is None:
+            raise KeyError(f"{ours!r} is not a tensor of the HF model {self.path}")
+        return [(theirs, r0, r1 - r0)]
+
+    def read(self, ours: str, offsets: Sequence[int] | None = None, sizes: Sequence[int] | None = None
+             ) -> torch.Tensor:
+        """Region ``offsets``/``sizes`` (default: all) of our global tensor ``ours``, in the HF files' dtype."""
+        shape, _ = self.ours[ours]
+        offsets = list(offsets) if offsets is not None else [0] * len(shape)
+        sizes = list(sizes) if sizes is not None else list(shape)
+        cols = slice(offsets[1], offsets[1] + sizes[1]) if len(shape) > 1 else None
+        pieces = [self.where[name].read(name, slice(start, start + rows), cols)
+                  for name, start, rows in self._segments(ours, offsets[0], offsets[0] + sizes[0])]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+def _intersect(parts: Sequence[tuple[str, int, int]], r0: int, r1: int) -> Segments:
+    """The pieces of ``parts`` (consecutive row runs) that lie in rows ``[r0, r1)`` of their concatenation."""
+    out: Segments = []
+    at = 0
+    for name, start, rows in parts:
+        lo, hi = max(r0, at), min(r1, at + rows)
+        if lo < hi:
+            out.append((name, start + lo - at, hi - lo))
+        at += rows
+    return out

@@ -1,0 +1,146 @@
+"""safetensors files read and written a tensor (or a slice of one) at a time, never a whole model.
+
+A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``), then the raw,
+row-major bytes of every tensor (offsets relative to the end of the header). Everything needed to validate a
+file -- names, dtypes, shapes, that every byte range lies inside the file -- is in the header, so a file is
+checked before any tensor is read, and a slice of rows (and columns) of one tensor is read from a memory map
+that touches only its own pages.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DTYPES", "SafetensorsError", "TensorInfo", "SafetensorsFile", "write_safetensors"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 2**20
+
+
+class SafetensorsError(ValueError):
+    """A safetensors file that is truncated, malformed or not what it should be (the message names it)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in its file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    """Absolute byte offset of its first element in the file."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class SafetensorsFile:
+    """One safetensors file, its header validated on open; tensors are read on demand."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    raise SafetensorsError(f"{self.path} is truncated: {size} bytes, no safetensors header")
+                (length,) = struct.unpack("<Q", prefix)
+                if length > min(_MAX_HEADER, size - 8):
+                    raise SafetensorsError(f"{self.path} is truncated or not safetensors: its header claims "
+                                           f"{length} bytes of a {size}-byte file")
+                header = json.loads(f.read(length))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SafetensorsError(f"{self.path} cannot be read as safetensors: {e}") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{self.path}: the safetensors header is not a JSON object")
+        data_start = 8 + length
+        for name, rec in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = DTYPES[rec["dtype"]]
+                shape = tuple(int(d) for d in rec["shape"])
+                begin, end = (int(x) for x in rec["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise SafetensorsError(f"{self.path}: tensor {name!r} has an unsupported or malformed header "
+                                       f"entry {str(rec)[:80]}") from None
+            if any(d < 0 for d in shape) or end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+                raise SafetensorsError(f"{self.path}: tensor {name!r}: {rec['dtype']} {list(shape)} does not fit "
+                                       f"its {end - begin} bytes")
+            if data_start + end > size:
+                raise SafetensorsError(f"{self.path} is truncated: tensor {name!r} ends at byte "
+                                       f"{data_start + end}, the file has {size}")
+            self.tensors[name] = TensorInfo(dtype, shape, data_start + begin)
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        """A fresh copy of ``name`` (or of its ``rows`` / ``cols`` along dims 0 / 1): only those bytes are read.
+
+        The tensor's bytes are mapped for this one read and unmapped after the copy, so reading a whole
+        model tensor by tensor never keeps more than one tensor's pages in the process."""
+        info = self.tensors[name]
+        count = math.prod(info.shape)
+        if count == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        page = mmap.ALLOCATIONGRANULARITY
+        start = info.begin - info.begin % page
+        with open(self.path, "rb") as f, \
+                mmap.mmap(f.fileno(), info.begin - start + info.nbytes, access=mmap.ACCESS_COPY, offset=start) as m:
+            view = torch.frombuffer(m, dtype=info.dtype, count=count, offset=info.begin - start).view(info.shape)
+            if rows is not None and info.shape:
+                view = view[rows]
+            if cols is not None and len(info.shape) > 1:
+                view = view[:, cols]
+            out = view.clone()
+            del view  # the map closes only once no tensor points into it
+        return out
+
+
+def write_safetensors(path: str | os.PathLike[str], specs: Mapping[str, tuple[torch.dtype, Iterable[int]]],
+                      tensors: Iterator[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None) -> None:
+    """Write a safetensors file whose header is known in advance (``specs``: name -> dtype, shape, in file
+    order) from ``tensors``, produced one at a time in the same order; then fsync it.
+
+    Raises:
+        SafetensorsError: a produced tensor is not the one the header announced (name, dtype or shape).
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {})} if metadata else {}
+    offset = 0
+    order = []
+    for name, (dtype, shape) in specs.items():
+        shape = [int(d) for d in shape]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        order.append((name, dtype, shape))
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # align the data to 8 bytes, as the reference writer does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for (name, dtype, shape), (got_name, tensor) in zip(order, tensors, strict=True):
+            if got_name != name or tensor.dtype != dtype or list(tensor.shape) != shape:
+                raise SafetensorsError(f"{path}: expected {name} {dtype} {shape}, got {got_name} {tensor.dtype} "
+                                       f"{list(tensor.shape)}")
+            if tensor.numel():
+                f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
