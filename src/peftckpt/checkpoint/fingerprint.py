@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..sharding.entries import GlobalTensor
 
@@ -131,10 +132,17 @@ def base_fingerprint(frozen: dict[str, GlobalTensor], distributed: bool) -> str:
     keys = sorted(records)
     sums = torch.zeros(len(keys), dtype=torch.int64)
     position = {k: i for i, k in enumerate(keys)}
-    mine_to_sum = [(k, p.tensor, tuple(p.offsets), e.global_shape) for k, e in frozen.items() for p in e.pieces
-                   if owner[(k, tuple(p.offsets))] == rank]
-    for (k, *_), s in zip(mine_to_sum, _piece_sums([job[1:] for job in mine_to_sum])):
+    mine_to_sum = [(k, e, p) for k, e in frozen.items() for p in e.pieces if owner[(k, tuple(p.offsets))] == rank]
+    # Resident pieces are summed together (one thread pool over all of them); pieces of a lazy entry (a meta
+    # tensor, produced on demand) one at a time, so a base streamed from disk is never held whole.
+    resident = [(k, p.tensor, tuple(p.offsets), e.global_shape) for k, e, p in mine_to_sum if not p.tensor.is_meta]
+    for (k, *_), s in zip(resident, _piece_sums([job[1:] for job in resident])):
         sums[position[k]] += s - (1 << 64) if s >= (1 << 63) else s
+    for k, e, p in mine_to_sum:
+        if p.tensor.is_meta:
+            (s,) = _piece_sums([(e.__get_tensor_shard__(MetadataIndex(k, p.offsets)), tuple(p.offsets),
+                                 e.global_shape)])
+            sums[position[k]] += s - (1 << 64) if s >= (1 << 63) else s
     if distributed:
         dist.all_reduce(sums)
     meta: dict[str, object] = {}

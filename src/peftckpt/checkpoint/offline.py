@@ -8,6 +8,7 @@ through the restricted unpickler and tensors load with ``weights_only``.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..sharding.entries import global_tensor_of
+from ..sharding.entries import GlobalTensor, LazyGlobalTensor, global_tensor_of
 from .checksums import verify_files
 from .errors import CheckpointFormatError, CheckpointIntegrityError, as_read_error, unwrap_dcp_error
 from .fingerprint import base_fingerprint
@@ -62,6 +63,22 @@ class OfflineCheckpoint:
                     raise
                 raise inner from None
         return {k[len(prefix):]: v for k, v in request.items()}
+
+
+    def fingerprint(self, names: list[str]) -> str:
+        """The base fingerprint of model tensors ``names``, read and summed one tensor at a time."""
+        prefix = MODEL + "."
+        entries: dict[str, GlobalTensor] = {}
+        for name in names:
+            rec = self.manifest.saved_keys.get(prefix + name)
+            if rec is None:
+                raise CheckpointFormatError(f"checkpoint {self.path} lacks model tensor {name!r}")
+            entries[prefix + name] = LazyGlobalTensor(rec["shape"], getattr(torch, rec["dtype"]),
+                                                      functools.partial(self._one, name))
+        return base_fingerprint(entries, distributed=False)
+
+    def _one(self, name: str) -> torch.Tensor:
+        return self.model_tensors([name])[name]
 
 
 def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,

@@ -22,18 +22,13 @@ from torch import nn
 
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
-from ..checkpoint.offline import OfflineCheckpoint, fingerprint_of, open_checkpoint
+from ..checkpoint.offline import OfflineCheckpoint, open_checkpoint
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
 from ..model.lora import apply_lora
 from ..sharding.entries import LazyGlobalTensor
 from .hf_dir import HFModelDir
-from .hf_llama import (
-    InteropError,
-    config_to_hf,
-    gpt_to_hf,
-    write_hf_dir,
-)
+from .hf_llama import InteropError, config_to_hf, hf_export_plan, write_hf_dir
 from .peft import adapter_to_peft, is_adapter_name, peft_to_adapter, read_peft_dir, write_peft_dir
 
 __all__ = ["import_hf_main", "export_hf_main", "export_peft_main", "import_peft_main", "import_hf", "export_hf",
@@ -187,39 +182,56 @@ def _base_path(ckpt: OfflineCheckpoint, base: str | os.PathLike[str] | None) -> 
 def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], base: str | os.PathLike[str] | None = None,
               verify_base: bool = True, verify_checksums: bool = True,
               dtype: torch.dtype = torch.float32) -> Path:
-    """A checkpoint (full, or adapter-only + its base) -> an HF Llama directory with the adapters merged."""
-    out_dir = _fresh_output(out, "OUT")
+    """A checkpoint (full, or adapter-only + its base) -> an HF Llama directory with the adapters merged.
+
+    Streams: the adapters (small) are read first; then each base tensor is read, split into its HF
+    projections, merged with its adapter delta (in float64) and written, one at a time."""
     ckpt = open_checkpoint(ckpt_path, verify_checksums)
     cfg = GPTConfig.from_dict(ckpt.manifest.model_config)
     hf_config = config_to_hf(cfg, dtype)
+    sources = {k.removeprefix("model."): ckpt for k in ckpt.manifest.saved_keys if k.startswith("model.")}
     if ckpt.manifest.trainable_only:
         base_ckpt = open_checkpoint(_base_path(ckpt, base), verify_checksums, what="--base")
-        tensors = base_ckpt.model_tensors()
         if verify_base and ckpt.manifest.base_fingerprint:
             frozen = [k.removeprefix("model.") for k in ckpt.manifest.excluded_keys]
-            missing = [k for k in frozen if k not in tensors]
-            mine = fingerprint_of({k: tensors[k] for k in frozen if k in tensors}) if not missing else "incomplete"
+            have = {k.removeprefix("model.") for k in base_ckpt.manifest.saved_keys}
+            mine = base_ckpt.fingerprint(frozen) if have.issuperset(frozen) else "incomplete"
             if mine != ckpt.manifest.base_fingerprint:
                 raise CheckpointMismatchError(
                     f"adapter checkpoint {ckpt.path} was trained on a different base than --base {base_ckpt.path}"
                     f" (fingerprint {ckpt.manifest.base_fingerprint} vs {mine}); --no-verify-base overrides")
-        tensors.update(ckpt.model_tensors())
-    else:
-        tensors = ckpt.model_tensors()
-    adapters = {k: v for k, v in tensors.items() if is_adapter_name(k)}
-    base_tensors = {k: v for k, v in tensors.items() if not is_adapter_name(k)}
-    hf = gpt_to_hf(base_tensors, cfg)
+        sources = {k.removeprefix("model."): base_ckpt for k in base_ckpt.manifest.saved_keys
+                   if k.startswith("model.")} | sources
+    adapter_names = sorted(k for k in sources if is_adapter_name(k))
+    adapters = ckpt.model_tensors(adapter_names) if adapter_names else {}
+    deltas: dict[str, torch.Tensor] = {}
     if adapters:
         lora = _lora_of(ckpt, adapters)
         peft_tensors, _ = adapter_to_peft(adapters, cfg, lora)
         for key, a in peft_tensors.items():
-            if ".lora_A." not in key:
-                continue
-            b = peft_tensors[key.replace(".lora_A.", ".lora_B.")]
-            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            w = hf[f"{module}.weight"]
-            hf[f"{module}.weight"] = (w.double() + lora.scaling * (b.double() @ a.double())).to(w.dtype)
-    write_hf_dir(out_dir, hf_config, {k: v.to(dtype) for k, v in hf.items()})
+            if ".lora_A." in key:
+                b = peft_tensors[key.replace(".lora_A.", ".lora_B.")]
+                module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                deltas[f"{module}.weight"] = lora.scaling * (b.double() @ a.double())
+    plan = hf_export_plan(cfg)
+    missing = sorted(ours for ours, _ in plan if ours not in sources)
+    if missing:
+        raise InteropError(f"checkpoint {ckpt.path} lacks model tensor(s) {missing[:5]} that an HF Llama needs")
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for ours, split in plan:
+        shape = sources[ours].manifest.saved_keys[f"model.{ours}"]["shape"]
+        for name, part in split(torch.empty(shape, device="meta")):
+            specs[name] = (dtype, tuple(part.shape))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for ours, split in plan:
+            for name, w in split(sources[ours].model_tensors([ours])[ours]):
+                if name in deltas:
+                    w = (w.double() + deltas[name]).to(w.dtype)
+                yield name, w.to(dtype)
+
+    with _output_dir(out) as out_dir:
+        write_hf_dir(out_dir, hf_config, specs, tensors())
     return out_dir
 
 

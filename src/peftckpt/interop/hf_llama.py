@@ -10,18 +10,20 @@ refused with the config key that differs.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..model.config import GPTConfig
-from ..model.fused import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
+from ..model.fused import split_gate_up, split_qkv
+from .safetensors_io import write_safetensors
 
-__all__ = ["InteropError", "config_from_hf", "config_to_hf", "hf_to_gpt", "gpt_to_hf", "read_hf_dir", "write_hf_dir",
+__all__ = ["InteropError", "config_from_hf", "config_to_hf", "hf_export_plan", "write_hf_dir",
            "HF_PROJECTIONS", "hf_module_of", "our_linear_of", "hf_one_to_one", "CONFIG_FILE", "SAFETENSORS_FILE",
            "SAFETENSORS_INDEX"]
 
@@ -129,85 +131,43 @@ def hf_one_to_one(cfg: GPTConfig) -> Iterator[tuple[str, str]]:
         yield "output_layer.weight", "lm_head.weight"
 
 
-def hf_to_gpt(hf: Mapping[str, torch.Tensor], cfg: GPTConfig, source: str) -> dict[str, torch.Tensor]:
-    """HF Llama tensors -> our model tensors (fusing q/k/v and gate/up). Every tensor must be used."""
-    used: set[str] = set()
+Split = Callable[[torch.Tensor], list[tuple[str, torch.Tensor]]]
 
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise InteropError(f"{source}: tensor {name!r} is missing")
-        used.add(name)
-        return hf[name]
 
-    out = {ours: take(theirs) for ours, theirs in hf_one_to_one(cfg)}
+def _as_is(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(name, t)]
+
+
+def _split_qkv(names: Sequence[str], cfg: GPTConfig, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return list(zip(names, split_qkv(t, cfg), strict=True))
+
+
+def _split_gate_up(names: Sequence[str], cfg: GPTConfig, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return list(zip(names, split_gate_up(t, cfg), strict=True))
+
+
+def hf_export_plan(cfg: GPTConfig) -> list[tuple[str, Split]]:
+    """In HF file order: each of our tensors and how it becomes HF tensors (``[(hf name, tensor)]``):
+    one to one, or split into q/k/v and gate/up. Works on meta tensors too (to announce shapes)."""
+    plan: list[tuple[str, Split]] = [(ours, functools.partial(_as_is, theirs)) for ours, theirs in hf_one_to_one(cfg)]
     for n in range(cfg.num_layers):
-        q, k, v = (take(f"{hf_module_of(n, p)}.weight") for p in ("q_proj", "k_proj", "v_proj"))
-        gate, up = (take(f"{hf_module_of(n, p)}.weight") for p in ("gate_proj", "up_proj"))
-        try:
-            out[f"{our_linear_of(n, 'linear_qkv')}.weight"] = fuse_qkv(q, k, v, cfg)
-            out[f"{our_linear_of(n, 'linear_fc1')}.weight"] = fuse_gate_up(gate, up, cfg)
-        except ValueError as e:
-            raise InteropError(f"{source}: layer {n}: {e} (as {CONFIG_FILE} describes the model)") from None
-    # Rotary inverse frequencies are derived, not weights; anything else unused means a different model.
-    extra = sorted(k for k in hf if k not in used and not k.endswith("rotary_emb.inv_freq")
-                   and not (k == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights))
-    if extra:
-        raise InteropError(f"{source}: {len(extra)} tensor(s) do not belong to a Llama of this config: {extra[:5]}")
-    return out
-
-
-def gpt_to_hf(tensors: Mapping[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """Our model tensors -> HF Llama tensors (splitting the fused projections)."""
-    out = {theirs: tensors[ours] for ours, theirs in hf_one_to_one(cfg)}
-    for n in range(cfg.num_layers):
-        q, k, v = split_qkv(tensors[f"{our_linear_of(n, 'linear_qkv')}.weight"], cfg)
-        gate, up = split_gate_up(tensors[f"{our_linear_of(n, 'linear_fc1')}.weight"], cfg)
-        for proj, t in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("gate_proj", gate), ("up_proj", up)):
-            out[f"{hf_module_of(n, proj)}.weight"] = t
-    return {k: v.contiguous() for k, v in out.items()}
+        names = [f"{hf_module_of(n, p)}.weight" for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")]
+        plan.append((f"{our_linear_of(n, 'linear_qkv')}.weight", functools.partial(_split_qkv, names[:3], cfg)))
+        plan.append((f"{our_linear_of(n, 'linear_fc1')}.weight", functools.partial(_split_gate_up, names[3:], cfg)))
+    return plan
 
 
 # ------------------------------------------------------------------------------------------ files
-def read_hf_dir(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``config.json`` and every tensor of an HF model directory (one or several safetensors files)."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    config_path = root / CONFIG_FILE
-    if not config_path.is_file():
-        raise InteropError(f"{root} is not an HF model directory: {CONFIG_FILE} is missing")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise InteropError(f"{config_path} is not valid JSON: {e}") from None
-    index = root / SAFETENSORS_INDEX
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (root / SAFETENSORS_FILE).is_file():
-        files = [SAFETENSORS_FILE]
-    else:
-        raise InteropError(f"{root}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} (only safetensors weights are "
-                           "read: pickled .bin files could run code)")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        f = root / name
-        if not f.is_file():
-            raise InteropError(f"{SAFETENSORS_INDEX} lists {name}, which is missing from {root}")
-        tensors.update(load_file(str(f)))
-    return config, tensors
-
-
-def write_hf_dir(path: str | os.PathLike[str], config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write ``config.json`` + ``model.safetensors`` (fsynced) into a new directory ``path``."""
-    from safetensors.torch import save_file
-
+def write_hf_dir(path: str | os.PathLike[str], config: Mapping[str, Any],
+                 specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                 tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Write ``config.json`` + ``model.safetensors`` into directory ``path``, the tensors announced by ``specs``
+    and produced one at a time by ``tensors`` (never all in memory); both files fsynced."""
     from ..checkpoint.storage_layout import fsync_dir, fsync_file
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / SAFETENSORS_FILE),
-              metadata={"format": "pt"})
+    write_safetensors(root / SAFETENSORS_FILE, specs, tensors, metadata={"format": "pt"})
     (root / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
-    for name in (SAFETENSORS_FILE, CONFIG_FILE):
-        fsync_file(root / name)
+    fsync_file(root / CONFIG_FILE)
     fsync_dir(root)
