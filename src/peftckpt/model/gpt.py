@@ -18,13 +18,17 @@ The fused QKV rows are grouped per query group -- ``[q_g (heads/groups heads), k
 
 Initialisation is a pure function of ``(seed, parameter name)``: every layout (TP, PP, DP) builds exactly
 the same global weights without communication, and no rank ever holds more than one full tensor.
+
+A chunk built with ``device="meta"`` has shapes but no storage; :meth:`GPTModel.materialize` then allocates
+this rank's shards and initialises the parameters asked for (bit-identical to an eager build), leaving the
+others empty for a checkpoint to fill -- a base that is about to be loaded is never randomly initialised.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,7 @@ from torch import nn
 
 from ..parallel.tensor_parallel import TensorParallel, local_tensor
 from .config import GPTConfig
+from .deferred import ParamFilter, ShardedInit, init_parameters, materialize, sharded_param
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["GPTModel", "TransformerLayer", "param_generator", "gpt_loss"]
@@ -43,39 +48,49 @@ def param_generator(seed: int, name: str) -> torch.Generator:
 
 
 class _Init:
-    """Deterministic full-size initial values, one generator per parameter name."""
+    """Deterministic full-size initial values, one generator per parameter name, drawn on demand."""
 
-    def __init__(self, config: GPTConfig, seed: int):
+    def __init__(self, config: GPTConfig, seed: int, tp: TensorParallel, device: torch.device | str | None):
         self.config = config
         self.seed = seed
+        self.tp = tp
+        self.device = device
+        """Where the parameters are created (``"meta"``: no storage, initialised by ``materialize``)."""
 
-    def normal(self, name: str, shape: tuple[int, ...], std: float | None = None) -> torch.Tensor:
-        std = self.config.init_method_std if std is None else std
-        return torch.randn(shape, generator=param_generator(self.seed, name)) * std
+    def normal(self, name: str, shape: tuple[int, ...], std: float | None = None) -> Callable[[], torch.Tensor]:
+        value = self.config.init_method_std if std is None else std
+        # `param_generator` is looked up when the tensor is drawn, not when the model is built.
+        return lambda: torch.randn(shape, generator=param_generator(self.seed, name)) * value
 
-    def output_proj(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def output_proj(self, name: str, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
         # Megatron's scaled init for the projections that feed the residual stream.
         return self.normal(name, shape, self.config.init_method_std / math.sqrt(2.0 * self.config.num_layers))
+
+    def replicated(self, module: nn.Module, name: str, shape: tuple[int, ...],
+                   full: Callable[[], torch.Tensor]) -> nn.Parameter:
+        """A parameter every TP rank holds whole (norms, embeddings, output layer)."""
+        return sharded_param(module, name, shape, ShardedInit(full, self.tp, None), device=self.device)
 
 
 class Norm(nn.Module):
     """RMSNorm or LayerNorm with replicated parameters, computed in fp32."""
 
-    def __init__(self, config: GPTConfig, tp: TensorParallel):
+    def __init__(self, config: GPTConfig, init: _Init):
         super().__init__()
         self.kind = config.normalization
         self.eps = config.norm_epsilon
-        self.weight = tp.make_param(torch.ones(config.hidden_size), None)
-        self.bias = tp.make_param(torch.zeros(config.hidden_size), None) if self.kind == "LayerNorm" else None
+        h = config.hidden_size
+        self.weight = init.replicated(self, "weight", (h,), lambda: torch.ones(h))
+        self.bias = init.replicated(self, "bias", (h,), lambda: torch.zeros(h)) if self.kind == "LayerNorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = local_tensor(self.weight)
         xf = x.float()
+        w = local_tensor(self.weight).to(xf.dtype)
         if self.kind == "RMSNorm":
             y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w
         else:
             assert self.bias is not None
-            y = F.layer_norm(xf, (xf.shape[-1],), w, local_tensor(self.bias), self.eps)
+            y = F.layer_norm(xf, (xf.shape[-1],), w, local_tensor(self.bias).to(xf.dtype), self.eps)
         return y.type_as(x)
 
 
@@ -102,12 +117,15 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.groups
         self.local_groups = config.groups // tp.size
         heads, groups = config.num_attention_heads, config.groups
+        qkv_shape = (config.qkv_size, h)
         self.linear_qkv = ColumnParallelLinear(
-            init.normal(f"{prefix}.linear_qkv.weight", (config.qkv_size, h)), tp,
+            qkv_shape, init.normal(f"{prefix}.linear_qkv.weight", qkv_shape), tp,
             parts=(("q", heads * hd), ("k", groups * hd), ("v", groups * hd)), local_groups=self.local_groups,
+            device=init.device,
         )
+        proj_shape = (h, config.num_attention_heads * hd)
         self.linear_proj = RowParallelLinear(
-            init.output_proj(f"{prefix}.linear_proj.weight", (h, config.num_attention_heads * hd)), tp
+            proj_shape, init.output_proj(f"{prefix}.linear_proj.weight", proj_shape), tp, device=init.device
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,10 +155,12 @@ class MLP(nn.Module):
         h, f = config.hidden_size, config.ffn
         rows = 2 * f if self.swiglu else f
         self.linear_fc1 = ColumnParallelLinear(
-            init.normal(f"{prefix}.linear_fc1.weight", (rows, h)), tp, num_chunks=2 if self.swiglu else 1,
-            parts=(("gate", f), ("up", f)) if self.swiglu else (),
+            (rows, h), init.normal(f"{prefix}.linear_fc1.weight", (rows, h)), tp,
+            num_chunks=2 if self.swiglu else 1, parts=(("gate", f), ("up", f)) if self.swiglu else (),
+            device=init.device,
         )
-        self.linear_fc2 = RowParallelLinear(init.output_proj(f"{prefix}.linear_fc2.weight", (h, f)), tp)
+        self.linear_fc2 = RowParallelLinear((h, f), init.output_proj(f"{prefix}.linear_fc2.weight", (h, f)), tp,
+                                            device=init.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc1(x)
@@ -159,9 +179,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         prefix = f"decoder.layers.{layer_number}"
-        self.input_layernorm = Norm(config, tp)
+        self.input_layernorm = Norm(config, init)
         self.self_attention = SelfAttention(config, tp, init, f"{prefix}.self_attention")
-        self.pre_mlp_layernorm = Norm(config, tp)
+        self.pre_mlp_layernorm = Norm(config, init)
         self.mlp = MLP(config, tp, init, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,25 +190,24 @@ class TransformerLayer(nn.Module):
 
 
 class WeightHolder(nn.Module):
-    """A module that only holds ``weight`` (gives Megatron's ``<name>.weight`` keys)."""
+    """A module that only holds a replicated ``weight`` (gives Megatron's ``<name>.weight`` keys)."""
 
-    def __init__(self, weight: nn.Parameter):
+    weight: nn.Parameter
+
+    def __init__(self, init: _Init, name: str, shape: tuple[int, ...]):
         super().__init__()
-        self.weight = weight
+        init.replicated(self, "weight", shape, init.normal(name, shape))
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: GPTConfig, tp: TensorParallel, init: _Init):
+    def __init__(self, config: GPTConfig, init: _Init):
         super().__init__()
-        self.word_embeddings = WeightHolder(tp.make_param(
-            init.normal("embedding.word_embeddings.weight", (config.vocab_size, config.hidden_size)), None
-        ))
+        self.word_embeddings = WeightHolder(init, "embedding.word_embeddings.weight",
+                                            (config.vocab_size, config.hidden_size))
         self.position_embeddings: WeightHolder | None = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = WeightHolder(tp.make_param(
-                init.normal("embedding.position_embeddings.weight",
-                            (config.max_position_embeddings, config.hidden_size)), None
-            ))
+            self.position_embeddings = WeightHolder(init, "embedding.position_embeddings.weight",
+                                                    (config.max_position_embeddings, config.hidden_size))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = F.embedding(tokens, local_tensor(self.word_embeddings.weight))
@@ -204,7 +223,7 @@ class Decoder(nn.Module):
         super().__init__()
         # Keyed by the *global* layer number so state-dict keys do not depend on the pipeline split.
         self.layers = nn.ModuleDict({str(n): TransformerLayer(config, tp, init, n) for n in layer_numbers})
-        self.final_layernorm = Norm(config, tp) if post_process else None
+        self.final_layernorm = Norm(config, init) if post_process else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers.values():
@@ -219,6 +238,11 @@ class GPTModel(nn.Module):
 
     ``pre_process`` chunks take token ids ``[b, s]``; the others take hidden states ``[b, s, hidden]``.
     ``post_process`` chunks return logits ``[b, s, vocab]``; the others return hidden states.
+
+    ``device="meta"`` builds the chunk without storage (and without drawing any initial value); then
+    :meth:`materialize` it. Otherwise every parameter is initialised on ``device`` (default: CPU) at once.
+    Activations take the dtype of the embedding weight (bf16 for a bf16 base); each linear layer computes
+    in its weight's dtype, adapters in theirs.
     """
 
     def __init__(
@@ -229,6 +253,7 @@ class GPTModel(nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         seed: int = 1234,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         tp = tp or TensorParallel()
@@ -251,14 +276,24 @@ class GPTModel(nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
-        init = _Init(config, seed)
-        self.embedding = Embedding(config, tp, init) if pre_process else None
+        init = _Init(config, seed, tp, device)
+        self.embedding = Embedding(config, init) if pre_process else None
         self.decoder = Decoder(config, tp, init, self.layer_numbers, post_process)
         self.output_layer: WeightHolder | None = None
         if post_process and not tied:
-            self.output_layer = WeightHolder(tp.make_param(
-                init.normal("output_layer.weight", (config.vocab_size, config.hidden_size)), None
-            ))
+            self.output_layer = WeightHolder(init, "output_layer.weight", (config.vocab_size, config.hidden_size))
+
+    def init_weights(self, include: ParamFilter | None = None) -> list[str]:
+        """(Re-)initialise the parameters ``include(name, param)`` accepts (default: all, adapters included)
+        to their deterministic initial values; returns their names (see
+        :func:`~peftckpt.model.deferred.init_parameters`)."""
+        return init_parameters(self, include)
+
+    def materialize(self, device: torch.device | str = "cpu", include: ParamFilter | None = None) -> list[str]:
+        """Give a chunk built with ``device="meta"`` (adapters and dtype changes may have been applied since)
+        this rank's storage, then initialise the parameters ``include`` accepts (default: all); the others
+        stay uninitialised until a checkpoint is loaded into them. Returns the names initialised."""
+        return materialize(self, device, include)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embedding is not None:
@@ -271,7 +306,7 @@ class GPTModel(nn.Module):
         else:
             assert self.embedding is not None
             w = local_tensor(self.embedding.word_embeddings.weight)
-        return F.linear(x, w)
+        return F.linear(x.to(w.dtype), w)
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

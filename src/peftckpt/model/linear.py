@@ -13,11 +13,17 @@ output; the parts' outputs are interleaved back into the fused layout (per query
 
 Adapters are ordinary parameters with ``requires_grad=True`` on a base whose own parameters were frozen
 structurally (see :func:`peftckpt.model.lora.apply_lora`); nothing here looks at names.
+
+Weights are created from a shape and an init function (:mod:`peftckpt.model.deferred`), so a layer can be
+built on the meta device. The base weight may be stored in a lower precision than the adapters (a bf16
+frozen base, fp32 adapters): the base GEMM runs in the weight's dtype, each adapter in its own, and the
+adapter output is cast back to the base output's dtype.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +31,7 @@ from torch import nn
 
 from ..parallel.tensor_parallel import TensorParallel, copy_to_tp, local_tensor, reduce_from_tp
 from ..sharding.layout import FusedChunks, declare_fused
+from .deferred import ShardedInit, sharded_param
 
 __all__ = ["ParallelLinear", "ColumnParallelLinear", "RowParallelLinear"]
 
@@ -36,18 +43,20 @@ class ParallelLinear(nn.Module):
     lora_A: nn.Parameter | None
     lora_B: nn.Parameter | None
 
-    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel, shard_dim: int, num_chunks: int = 1,
-                 parts: tuple[tuple[str, int], ...] = (), local_groups: int = 1):
+    def __init__(self, weight_shape: tuple[int, int], weight_init: Callable[[], torch.Tensor], tp: TensorParallel,
+                 shard_dim: int, num_chunks: int = 1, parts: tuple[tuple[str, int], ...] = (), local_groups: int = 1,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.tp = tp
-        self.out_features, self.in_features = full_weight.shape
+        self.out_features, self.in_features = weight_shape
         self.num_chunks = num_chunks
         # Output parts of a fused layer, (name, global rows), in fused order; the local output is
         # `local_groups` repetitions of [part_0 block, part_1 block, ...] (see `_assemble`).
         self.parts = dict(parts)
         self.local_groups = local_groups
         self.part_adapters: list[str] = []
-        self.weight = tp.make_param(full_weight, shard_dim, num_chunks)
+        self.weight = sharded_param(self, "weight", weight_shape, ShardedInit(weight_init, tp, shard_dim, num_chunks),
+                                    device=device)
         # Only a TP split interleaves the blocks; at TP = 1 the tensor already is [gate; up].
         if num_chunks > 1 and tp.size > 1:
             declare_fused(self, "weight", FusedChunks(dim=shard_dim, num_chunks=num_chunks))
@@ -74,18 +83,33 @@ class ParallelLinear(nn.Module):
         if self.part_adapters and self.lora_scaling != alpha / rank:
             raise ValueError("all adapters of one layer need the same rank and alpha")
         bound = 1.0 / math.sqrt(self.in_features)
-        full_a = torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator)
+        # Drawn when the adapter is initialised (at once, or after a meta-device build is materialised);
+        # a copy of the generator's state keeps every initialisation the same.
+        state = generator.get_state()
+
+        def init_a() -> torch.Tensor:
+            g = torch.Generator().set_state(state)
+            return torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=g)
+
+        def zeros(rows: int) -> Callable[[], torch.Tensor]:
+            return lambda: torch.zeros(rows, rank)
+
+        device = local_tensor(self.weight).device  # adapters are fp32 whatever the base's dtype
+        shape_a = (rank, self.in_features)
         if part is None:
-            full_b = torch.zeros(self.out_features, rank)
-            self.lora_A = self.tp.make_param(full_a, self._a_shard_dim)
-            self.lora_B = self.tp.make_param(full_b, self._b_shard_dim,
-                                             self.num_chunks if self._b_shard_dim == 0 else 1)
+            self.lora_A = sharded_param(self, "lora_A", shape_a, ShardedInit(init_a, self.tp, self._a_shard_dim),
+                                        device=device)
+            b_chunks = self.num_chunks if self._b_shard_dim == 0 else 1
+            self.lora_B = sharded_param(self, "lora_B", (self.out_features, rank),
+                                        ShardedInit(zeros(self.out_features), self.tp, self._b_shard_dim, b_chunks),
+                                        device=device)
             if self.num_chunks > 1 and self._b_shard_dim == 0 and self.tp.size > 1:
                 declare_fused(self, "lora_B", FusedChunks(dim=0, num_chunks=self.num_chunks))
         else:
             # A part's rows are contiguous in its own tensor, so a plain row split matches the base's shards.
-            self.register_parameter(f"lora_A_{part}", self.tp.make_param(full_a, None))
-            self.register_parameter(f"lora_B_{part}", self.tp.make_param(torch.zeros(self.parts[part], rank), 0))
+            sharded_param(self, f"lora_A_{part}", shape_a, ShardedInit(init_a, self.tp, None), device=device)
+            rows = self.parts[part]
+            sharded_param(self, f"lora_B_{part}", (rows, rank), ShardedInit(zeros(rows), self.tp, 0), device=device)
             self.part_adapters = [p for p in self.parts if p in (*self.part_adapters, part)]
         self.lora_scaling = alpha / rank
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -98,14 +122,15 @@ class ParallelLinear(nn.Module):
 
     def _assemble(self, deltas: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """Interleave per-part outputs (last dim = the part's local rows) into the fused local layout;
-        parts without an adapter contribute zeros."""
+        parts without an adapter contribute zeros (of the outputs' dtype; ``like`` gives the other dims)."""
         g = self.local_groups
+        dtype = next(iter(deltas.values())).dtype
         blocks = []
         for name, rows in self.parts.items():
             local_rows = rows // self.tp.size
             d = deltas.get(name)
             if d is None:
-                d = like.new_zeros(*like.shape[:-1], local_rows)
+                d = like.new_zeros(*like.shape[:-1], local_rows, dtype=dtype)
             blocks.append(d.reshape(*d.shape[:-1], g, local_rows // g))
         out = torch.cat(blocks, dim=-1)
         return out.reshape(*out.shape[:-2], -1)
@@ -154,22 +179,25 @@ class ColumnParallelLinear(ParallelLinear):
     _a_shard_dim = None
     _b_shard_dim = 0
 
-    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel, num_chunks: int = 1,
-                 parts: tuple[tuple[str, int], ...] = (), local_groups: int = 1):
-        super().__init__(full_weight, tp, shard_dim=0, num_chunks=num_chunks, parts=parts,
-                         local_groups=local_groups)
+    def __init__(self, weight_shape: tuple[int, int], weight_init: Callable[[], torch.Tensor], tp: TensorParallel,
+                 num_chunks: int = 1, parts: tuple[tuple[str, int], ...] = (), local_groups: int = 1,
+                 device: torch.device | str | None = None):
+        super().__init__(weight_shape, weight_init, tp, shard_dim=0, num_chunks=num_chunks, parts=parts,
+                         local_groups=local_groups, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp)
-        y = F.linear(x, local_tensor(self.weight))
+        w = local_tensor(self.weight)
+        y = F.linear(x.to(w.dtype), w)
         if self._adapter_active():
             deltas: dict[str, torch.Tensor] = {}
             for part, a, b in self.adapter_pairs():
+                a_local = local_tensor(a)
                 # A is replicated but only sees this rank's slice of the output gradient: sum it over TP.
-                h = F.linear(self.lora_dropout(x), copy_to_tp(local_tensor(a), self.tp))
+                h = F.linear(self.lora_dropout(x.to(a_local.dtype)), copy_to_tp(a_local, self.tp))
                 deltas[part or ""] = F.linear(h, local_tensor(b))
             delta = deltas[""] if "" in deltas else self._assemble(deltas, y)
-            y = y + self.lora_scaling * delta
+            y = y + (self.lora_scaling * delta).to(y.dtype)
         return y
 
 
@@ -179,13 +207,16 @@ class RowParallelLinear(ParallelLinear):
     _a_shard_dim = 1
     _b_shard_dim = None
 
-    def __init__(self, full_weight: torch.Tensor, tp: TensorParallel):
-        super().__init__(full_weight, tp, shard_dim=1)
+    def __init__(self, weight_shape: tuple[int, int], weight_init: Callable[[], torch.Tensor], tp: TensorParallel,
+                 device: torch.device | str | None = None):
+        super().__init__(weight_shape, weight_init, tp, shard_dim=1, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, local_tensor(self.weight)), self.tp)
+        w = local_tensor(self.weight)
+        y = reduce_from_tp(F.linear(x.to(w.dtype), w), self.tp)
         if self._adapter_active():
             assert self.lora_A is not None and self.lora_B is not None
-            h = reduce_from_tp(F.linear(self.lora_dropout(x), local_tensor(self.lora_A)), self.tp)
-            y = y + self.lora_scaling * F.linear(h, local_tensor(self.lora_B))
+            a = local_tensor(self.lora_A)
+            h = reduce_from_tp(F.linear(self.lora_dropout(x.to(a.dtype)), a), self.tp)
+            y = y + (self.lora_scaling * F.linear(h, local_tensor(self.lora_B))).to(y.dtype)
         return y

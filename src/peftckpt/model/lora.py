@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from .config import LORA_PART_TARGETS, LoRAConfig
 from .gpt import TransformerLayer, param_generator
 from .linear import ParallelLinear
 
-__all__ = ["apply_lora", "merge_lora", "unmerge_lora", "freeze", "trainable_names", "target_linear"]
+__all__ = ["apply_lora", "merge_lora", "unmerge_lora", "freeze", "trainable_names", "target_linear", "cast_frozen"]
 
 
 def target_linear(layer: TransformerLayer, target: str) -> ParallelLinear:
@@ -74,6 +75,23 @@ def apply_lora(chunks: Iterable[nn.Module], config: LoRAConfig, seed: int) -> li
             if pname in params:
                 params[pname].requires_grad_(True)
     return adapted
+
+
+def cast_frozen(module: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Store every frozen parameter (``requires_grad=False``) of ``module`` in ``dtype`` -- e.g. a bf16 base
+    under fp32 adapters; trainable parameters keep theirs. Returns the names cast.
+
+    Cheapest before the parameters have storage (a meta-device build): then nothing is converted, and the
+    initialisation or checkpoint load that follows writes the values straight in ``dtype``. Parameters are
+    replaced by new ones, so call it before an optimizer or FSDP holds them."""
+    cast: list[str] = []
+    for prefix, owner in module.named_modules():
+        for name, p in list(owner._parameters.items()):
+            if p is None or p.requires_grad or p.dtype == dtype:
+                continue
+            setattr(owner, name, nn.Parameter(p.detach().to(dtype), requires_grad=False))
+            cast.append(f"{prefix}.{name}" if prefix else name)
+    return cast
 
 
 def merge_lora(module: nn.Module) -> None:

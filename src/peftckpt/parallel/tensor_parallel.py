@@ -9,10 +9,15 @@ Megatron's two conjugate collectives, which keeps the math explicit and identica
 
 A replicated parameter used *inside* a TP region (LoRA's A of a column-parallel layer) gets only a partial
 gradient on each rank; it goes through :func:`copy_to_tp` itself so the backward sums the parts.
+
+Parameters can also be created without values (:meth:`TensorParallel.empty_param`, e.g. on the meta device)
+and filled later from a full tensor (:meth:`TensorParallel.fill_param`): a rank then holds only its shards,
+plus the one full tensor being sliced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +61,45 @@ class TensorParallel:
     ) -> nn.Parameter:
         """A parameter holding this rank's shard of ``full`` (see :meth:`shard_of`); a DTensor when TP > 1."""
         local = self.shard_of(full, dim, num_chunks).contiguous()
+        return self._wrap(local, full.shape, dim, requires_grad)
+
+    def local_shape(self, shape: Sequence[int], dim: int | None, num_chunks: int = 1) -> torch.Size:
+        """The shape of this rank's shard (see :meth:`shard_of`) of a tensor of global ``shape``."""
+        return self.shard_of(torch.empty(tuple(shape), device="meta"), dim, num_chunks).shape
+
+    def empty_param(
+        self, shape: Sequence[int], dim: int | None, num_chunks: int = 1, *, dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None, requires_grad: bool = True,
+    ) -> nn.Parameter:
+        """Like :meth:`make_param` for a global tensor of ``shape``, but the shard is uninitialised (on
+        ``device``; ``"meta"`` allocates nothing). Give it values with :meth:`fill_param`."""
+        local = torch.empty(self.local_shape(shape, dim, num_chunks), dtype=dtype, device=device)
+        return self._wrap(local, torch.Size(shape), dim, requires_grad)
+
+    @torch.no_grad()
+    def fill_param(self, param: torch.Tensor, full: torch.Tensor, dim: int | None, num_chunks: int = 1) -> None:
+        """Copy this rank's shard of ``full`` into ``param`` (cast to its dtype), in place."""
+        local = local_tensor(param)
+        if local.is_meta:
+            raise RuntimeError("cannot fill a parameter on the meta device: materialise it first (to_empty)")
+        if tuple(param.shape) != tuple(full.shape):
+            raise ValueError(f"full tensor has shape {list(full.shape)}, the parameter {list(param.shape)}")
+        local.copy_(self.shard_of(full, dim, num_chunks))
+
+    def _wrap(self, local: torch.Tensor, shape: torch.Size, dim: int | None, requires_grad: bool) -> nn.Parameter:
         if self.mesh is None:
             return nn.Parameter(local, requires_grad=requires_grad)
         placement = Replicate() if dim is None else Shard(dim)
-        dt = DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=full.shape,
-                                stride=full.stride())
+        dt = DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=shape,
+                                stride=_contiguous_stride(shape))
         return nn.Parameter(dt, requires_grad=requires_grad)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    return tuple(stride)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

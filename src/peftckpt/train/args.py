@@ -84,7 +84,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 = no clipping")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward (fp32 weights)")
+    g.add_argument("--bf16", action="store_true",
+                   help="store and compute the frozen base in bf16; trainable parameters (adapters, "
+                   "--lora-train-params) and their Adam state stay fp32 (needs --lora-rank > 0)")
+    g.add_argument("--fp16", action="store_true", help="not supported (refused): use --bf16")
 
 
 def _add_data(p: argparse.ArgumentParser) -> None:
@@ -214,6 +217,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported yet; "
             "use --tensor-model-parallel-size 1 or drop --use-distributed-optimizer"
         )
+    if args.fp16:
+        raise ArgumentError("--fp16 is not supported (it would need loss scaling); use --bf16, which stores the "
+                            "frozen base in bf16 and keeps the trainable parameters in fp32")
+    if args.bf16 and args.lora_rank <= 0:
+        raise ArgumentError("--bf16 stores the frozen base in bf16 and keeps trainable parameters in fp32; with "
+                            "--lora-rank 0 every parameter trains, so nothing would be bf16: drop --bf16 or "
+                            "fine-tune with --lora-rank > 0")
     if bool(args.mock_data) == bool(args.data_path):
         raise ArgumentError("pass exactly one of --mock-data and --data-path")
     if args.train_iters < 0:

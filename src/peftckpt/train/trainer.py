@@ -7,7 +7,6 @@ layout, and it talks to checkpoints only through :mod:`peftckpt.train.checkpoint
 from __future__ import annotations
 
 import argparse
-import contextlib
 import random
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from torch import nn
 
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel, TransformerLayer, gpt_loss
-from ..model.lora import apply_lora
+from ..model.lora import apply_lora, cast_frozen
 from ..parallel.data_parallel import allreduce_gradients, clip_grad_norm, shard_for_distributed_optimizer
 from ..parallel.dims import ParallelDims, stage_layer_numbers
 from ..parallel.pipeline import PipelineRunner
@@ -52,7 +51,10 @@ class Trainer:
 
     Steps of :meth:`__init__`:
         1. Layout -> meshes (``ParallelDims``), per-rank seeds.
-        2. Model chunks for this rank's pipeline stages (global layer numbers), LoRA, FSDP2 if requested.
+        2. Model chunks for this rank's pipeline stages (global layer numbers) on the meta device, LoRA,
+           ``--bf16`` (frozen parameters to bf16), then this rank's storage: every parameter is initialised,
+           except the frozen ones when ``--pretrained-checkpoint`` is to fill them (:meth:`run` loads it;
+           until then they hold no meaningful values). FSDP2 if requested.
         3. Optimizer over the trainable parameters only, LR schedule.
         4. Data: datasets, the deterministic global-batch sampler, the pipeline runner.
     """
@@ -74,6 +76,10 @@ class Trainer:
         if self.lora is not None:
             apply_lora(self.chunks, self.lora, args.seed)
             self._check_train_params()
+        self.base_dtype = torch.bfloat16 if args.bf16 else torch.float32
+        """dtype of the frozen parameters (trainable ones are fp32)."""
+        self.initialised = self._materialize()
+        """Names of the parameters given their deterministic initial values (per chunk, concatenated)."""
         self.named_trainable = [(n, p) for c in self.chunks for n, p in c.named_parameters() if p.requires_grad]
         self.fsdp = args.use_distributed_optimizer and self.dims.dp > 1
         if self.fsdp:
@@ -108,9 +114,26 @@ class Trainer:
                         + 1_000_003 * iteration)
 
     def _build_chunk(self, stage: int) -> GPTModel:
+        """One pipeline chunk on the meta device: shapes only, nothing allocated or drawn yet."""
         layers = stage_layer_numbers(self.config.num_layers, self.dims.num_stages, stage)
         return GPTModel(self.config, self.meshes.tp, layers, pre_process=stage == 0,
-                        post_process=stage == self.dims.num_stages - 1, seed=self.args.seed)
+                        post_process=stage == self.dims.num_stages - 1, seed=self.args.seed, device="meta")
+
+    def _materialize(self) -> list[str]:
+        """Step 2's storage: frozen parameters in ``base_dtype`` (cast while still on the meta device, so the
+        values are written once, in that dtype), then this rank's shards, then the initial values.
+
+        With ``--pretrained-checkpoint`` the frozen parameters are left uninitialised: the load fills them,
+        and it fails naming any frozen tensor the checkpoint lacks. Trainable parameters (adapters, and base
+        parameters unfrozen by ``--lora-train-params`` or ``--lora-rank 0``) are always initialised; those the
+        checkpoint holds are then overwritten by it, the others keep their initial values."""
+        base_from_checkpoint = bool(self.args.pretrained_checkpoint)
+        names: list[str] = []
+        for chunk in self.chunks:
+            if self.base_dtype != torch.float32:
+                cast_frozen(chunk, self.base_dtype)
+            names += chunk.materialize(self.device, lambda _, p: p.requires_grad or not base_from_checkpoint)
+        return names
 
     def _check_train_params(self) -> None:
         assert self.lora is not None
@@ -133,11 +156,6 @@ class Trainer:
             raise ArgumentError(str(e)) from None
 
     # ------------------------------------------------------------------------------------- one step
-    def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        if self.args.bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _reduce_loss(self, loss: torch.Tensor | None) -> float:
         """Mean loss over DP, from the last pipeline stage, on every rank."""
         value = torch.zeros((), dtype=torch.float64) if loss is None else loss.detach().double()
@@ -150,17 +168,17 @@ class Trainer:
         """Gradients of the mean loss over this rank's share of the global batch; returns the global loss."""
         local = dp_slice(batch, self.meshes.dp_rank, self.dims.dp)
         tokens, targets = local[:, :-1].contiguous(), local[:, 1:].contiguous()
-        with self._autocast():
-            if self.runner is not None:
-                loss = self.runner.train_step(tokens, targets)
-            else:
-                (model,) = self.chunks
-                total = torch.zeros(())
-                for tok, tgt in zip(tokens.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)):
-                    mb_loss = gpt_loss(model(tok), tgt) / self.num_microbatches
-                    mb_loss.backward()
-                    total += mb_loss.detach()
-                loss = total
+        # No autocast: each layer computes in its weights' dtype (see peftckpt.model.linear); the loss is fp32.
+        if self.runner is not None:
+            loss = self.runner.train_step(tokens, targets)
+        else:
+            (model,) = self.chunks
+            total = torch.zeros(())
+            for tok, tgt in zip(tokens.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)):
+                mb_loss = gpt_loss(model(tok), tgt) / self.num_microbatches
+                mb_loss.backward()
+                total += mb_loss.detach()
+            loss = total
         if self.dims.dp > 1 and not self.fsdp:
             group = self.meshes.group("dp")
             assert group is not None
@@ -193,14 +211,13 @@ class Trainer:
         """Mean next-token loss of one global batch ``[global_batch, seq + 1]`` (forward only), on every rank."""
         local = dp_slice(batch, self.meshes.dp_rank, self.dims.dp)
         tokens, targets = local[:, :-1].contiguous(), local[:, 1:].contiguous()
-        with self._autocast():
-            if self.runner is not None:
-                loss = self.runner.eval_step(tokens, targets)
-            else:
-                (model,) = self.chunks
-                loss = torch.stack([gpt_loss(model(t), g) for t, g in
-                                    zip(tokens.chunk(self.num_microbatches),
-                                        targets.chunk(self.num_microbatches))]).mean()
+        if self.runner is not None:
+            loss = self.runner.eval_step(tokens, targets)
+        else:
+            (model,) = self.chunks
+            loss = torch.stack([gpt_loss(model(t), g) for t, g in
+                                zip(tokens.chunk(self.num_microbatches),
+                                    targets.chunk(self.num_microbatches))]).mean()
         return self._reduce_loss(loss)
 
     # ----------------------------------------------------------------------------------------- loop
