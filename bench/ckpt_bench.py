@@ -268,7 +268,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
 
     # The fingerprint first: computed once per run, cached for every later trainable-only save and load.
     out: dict[str, Any] = {"layout": ck.layout, "world": ctx.world,
-                           "fingerprint": ctx.time(lambda i: (setattr(ck, "_fingerprint", None), ck.fingerprint()),
+                           "fingerprint": ctx.time(lambda i: (ck._fingerprints.clear(), ck.fingerprint()),
                                                    n).to_dict()}
     small = ctx.rounds(n, {
         "ours_trainable": ours_save("trainable"),

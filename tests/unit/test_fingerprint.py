@@ -1,4 +1,5 @@
-"""The base-model fingerprint (DESIGN.md §4.5): bit-exact, layout independent (single process)."""
+"""The base-model fingerprint: bit-exact, layout independent, and (version 2) independent of the dtype a
+base is held in wherever its values are the same (single process)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def weight() -> torch.Tensor:
 
 def test_format_and_stability(weight: torch.Tensor) -> None:
     fp = _fp({"model.w": _whole(weight)})
-    assert re.fullmatch(r"sha256:[0-9a-f]{64}", fp)
+    assert re.fullmatch(r"v2:sha256:[0-9a-f]{64}", fp)
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", base_fingerprint({"model.w": _whole(weight)}, False, version=1))
     assert _fp({"model.w": _whole(weight)}) == fp
     assert _fp({"model.w": _whole(weight.clone())}) == fp  # depends on values, not on storage
     assert _fp({}) == _fp({})
@@ -113,7 +115,8 @@ def test_bf16() -> None:
     base = _fp({"w": _whole(t)})
     assert _fp({"w": _rows(t, [0, 3, 6])}) == base
     assert _fp({"w": _fused_tp(t, tp=3)}) == base
-    assert _fp({"w": _whole(t.float())}) != base  # same values, other dtype
+    assert _fp({"w": _whole(t.float())}) == base  # same values, other dtype: the same base (version 2)
+    assert base_fingerprint({"w": _whole(t.float())}, False, 1) != base_fingerprint({"w": _whole(t)}, False, 1)
     nudged = t.clone()
     nudged[4, 2] = torch.nextafter(nudged[4, 2], torch.tensor(float("inf"), dtype=torch.bfloat16))
     assert _fp({"w": _rows(nudged, [0, 3, 6])}) != base
@@ -138,3 +141,18 @@ def test_zero_dim_and_empty_pieces() -> None:
     t = torch.arange(8.0)
     assert _fp({"v": _rows(t, [0, 4, 4, 8])}) == _fp({"v": _whole(t)})  # an empty piece adds nothing
     assert _fp({"v": _rows(t, [0, 8, 8])}) == _fp({"v": _whole(t)})
+
+
+def test_v2_is_the_same_for_a_bf16_base_held_in_fp32_and_v1_is_not(weight: torch.Tensor) -> None:
+    """Issue 12: --bf16 holds the base in bf16; an fp32 model loading the same bf16 files, and the offline
+    tools reading them, must compute the same fingerprint, so an adapter moves between them."""
+    bf16 = weight.to(torch.bfloat16)
+    upcast = bf16.float()  # exact
+    assert _fp({"model.w": _rows(bf16, [0, 2, 6])}) == _fp({"model.w": _whole(upcast)})
+    assert _fp({"model.w": _whole(bf16.half().float().to(torch.bfloat16))}) != _fp({"model.w": _whole(weight)})
+    v1 = {dtype: base_fingerprint({"model.w": _whole(t)}, False, version=1) for dtype, t in
+          (("bf16", bf16), ("fp32", upcast))}
+    assert v1["bf16"] != v1["fp32"]  # the old formula hashed raw bits and the dtype
+    assert _fp({"model.w": _whole(upcast)}) != _fp({"model.w": _whole(weight)})  # rounding is a different base
+    integers = torch.arange(12, dtype=torch.int16).reshape(3, 4)
+    assert _fp({"model.i": _whole(integers)}) != _fp({"model.i": _whole(integers.int())})  # not floats: dtype kept

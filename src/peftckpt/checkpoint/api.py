@@ -46,7 +46,7 @@ from .errors import (
     unwrap_dcp_error,
 )
 from .faults import fault_point
-from .fingerprint import base_fingerprint
+from .fingerprint import FINGERPRINT_VERSION, base_fingerprint, fingerprint_version
 from .integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems
 from .manifest import Manifest, read_manifest
 from .planners import EntryLoadPlanner, EntrySavePlanner
@@ -216,7 +216,8 @@ class Checkpointer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
-        self._fingerprint: str | None = None
+        self._fingerprints: dict[int, str] = {}
+        """The fingerprint of the frozen tensors, per version (the base changes only through a load)."""
         self._pending: _PendingCommit | None = None
         self._async_pg: dist.ProcessGroup | None = None
         self._host_buffers: dict[str, GlobalTensor] = {}
@@ -260,22 +261,23 @@ class Checkpointer:
     def model_sections(self) -> dict[str, dict[str, Any]]:
         return {name: model_entries(c) for name, c in zip(model_section_names(len(self.chunks)), self.chunks)}
 
-    def fingerprint(self, keys: Sequence[str] | None = None) -> str:
+    def fingerprint(self, keys: Sequence[str] | None = None, version: int = FINGERPRINT_VERSION) -> str:
         """Layout-independent fingerprint of the frozen model tensors (or of the model tensors named by
-        ``keys``: what a checkpoint recorded as its base). The default is computed once, then cached."""
-        if keys is None and self._fingerprint is not None:
-            return self._fingerprint
+        ``keys``: what a checkpoint recorded as its base), as ``version`` computes it (a checkpoint is checked
+        with the version it recorded). The default set is computed once per version, then cached."""
+        if keys is None and version in self._fingerprints:
+            return self._fingerprints[version]
         tensors = {dcp_key(s, k): v for s, sec in self.model_sections().items() for k, v in sec.items()
                    if isinstance(v, GlobalTensor)}
         frozen_now = {k for k, v in tensors.items() if not v.requires_grad}
         if keys is not None and set(keys) == frozen_now:
             keys = None  # the same set as the default: share the cached value (computed at most once per run)
-            if self._fingerprint is not None:
-                return self._fingerprint
+            if version in self._fingerprints:
+                return self._fingerprints[version]
         wanted = frozen_now if keys is None else set(keys)
-        value = base_fingerprint({k: v for k, v in tensors.items() if k in wanted}, self.distributed)
+        value = base_fingerprint({k: v for k, v in tensors.items() if k in wanted}, self.distributed, version)
         if keys is None:
-            self._fingerprint = value
+            self._fingerprints[version] = value
         return value
 
     def _state(self, trainable_only: bool, ckpt_format: str, with_optim: bool,
@@ -654,7 +656,8 @@ class Checkpointer:
         if manifest.trainable_only and options.verify_base and not model_only:
             # Fingerprint what the checkpoint calls its base (its excluded keys), not what is frozen now: a
             # parameter unfrozen since is reported below as an unexpected key, with its own hint.
-            mine = self.fingerprint(sorted(manifest.excluded_keys))
+            mine = self.fingerprint(sorted(manifest.excluded_keys),
+                                    fingerprint_version(manifest.base_fingerprint or ""))
             if manifest.base_fingerprint and manifest.base_fingerprint != mine:
                 raise CheckpointMismatchError(
                     f"adapter checkpoint {ckpt} was trained on a different base model:\n"
@@ -796,5 +799,5 @@ class Checkpointer:
         for k in absent:
             request.pop(k)
         self._read(request, reader, verification)
-        self._fingerprint = None  # the base changed
+        self._fingerprints.clear()  # the base changed
         return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))

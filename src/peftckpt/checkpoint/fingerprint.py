@@ -5,6 +5,13 @@ Each element contributes ``bits(x_i) * w(i)`` where ``i`` is its flat index in t
 order-independent, so any sharding gives the same sum. Each piece is counted once (by the lowest rank
 holding it). The per-tensor sums, names, shapes and dtypes are hashed with SHA-256.
 
+Version 2 (the default; written as ``v2:sha256:<hex>``) makes the value independent of the dtype the base is
+held in, wherever the values are the same: floating elements narrower than 32 bits are summed as the bits of
+their exact float32 value, and the record names a floating tensor's kind, not its dtype. A bf16 base therefore
+has one fingerprint whether it is held in bf16 (``--bf16``) or upcast to fp32, and read from the bf16 files
+offline. Version 1 (``sha256:<hex>``, checkpoints written before) hashed the raw bits and the dtype; it is
+still computed when a checkpoint recorded it.
+
 The sums are taken tile by tile (cache-sized, reused buffers, no per-element index tensors) by a thread
 pool: about 0.4-0.6 G elements/s on 2 busy cores, ~20x the former whole-tensor computation.
 """
@@ -22,7 +29,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..sharding.entries import GlobalTensor
 
-__all__ = ["base_fingerprint"]
+__all__ = ["FINGERPRINT_VERSION", "base_fingerprint", "fingerprint_version"]
+
+FINGERPRINT_VERSION = 2
+"""Version of new fingerprints (see the module docstring)."""
 
 _MULT = 2654435761  # w(i) = (i * _MULT + _ADD) & _MASK
 _ADD = 97531
@@ -34,9 +44,14 @@ _SEGMENT = 1 << 23
 _INT_TYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _runs(piece: torch.Tensor, offsets: tuple[int, ...], global_shape: torch.Size) -> tuple[np.ndarray, np.ndarray]:
-    """The piece's bits as ``R`` runs of ``L`` elements, each contiguous in the global flat index: the
-    ``(R, L)`` signed-int matrix of its bits and the global flat index of each run's first element.
+def fingerprint_version(value: str) -> int:
+    """The version a recorded fingerprint was computed with."""
+    return 2 if value.startswith("v2:") else 1
+
+
+def _runs(piece: torch.Tensor, offsets: tuple[int, ...], global_shape: torch.Size) -> tuple[torch.Tensor, np.ndarray]:
+    """The piece as ``R`` runs of ``L`` elements, each contiguous in the global flat index: the ``(R, L)``
+    tensor of its elements and the global flat index of each run's first element.
 
     Dims after the last one where the piece is narrower than the global tensor are whole, so one run is
     that dim's slice times everything after it; the dims before it enumerate the runs."""
@@ -53,8 +68,14 @@ def _runs(piece: torch.Tensor, offsets: tuple[int, ...], global_shape: torch.Siz
         view = [1] * k
         view[d] = shape[d]
         starts = starts + ((np.arange(shape[d], dtype=np.int64) + offsets[d]) * strides[d]).reshape(view)
-    bits = piece.detach().contiguous().view(_INT_TYPES[piece.element_size()]).cpu().numpy()
-    return bits.reshape(-1, run), starts.reshape(-1)
+    return piece.detach().contiguous().cpu().reshape(-1, run), starts.reshape(-1)
+
+
+def _bits(rows: torch.Tensor, version: int) -> np.ndarray:
+    """The signed-int bits of ``rows`` (version 2: narrow floats as their exact float32 value first)."""
+    if version >= 2 and rows.is_floating_point() and rows.element_size() < 4:
+        rows = rows.float()
+    return rows.view(_INT_TYPES[rows.element_size()]).numpy()
 
 
 def _segment_sum(bits: np.ndarray, starts: np.ndarray) -> int:
@@ -89,33 +110,40 @@ def _segment_sum(bits: np.ndarray, starts: np.ndarray) -> int:
     return total & 0xFFFFFFFFFFFFFFFF
 
 
-def _piece_sums(pieces: list[tuple[torch.Tensor, tuple[int, ...], torch.Size]]) -> list[int]:
+def _piece_sums(pieces: list[tuple[torch.Tensor, tuple[int, ...], torch.Size]], version: int) -> list[int]:
     """``sum(bits(x_i) * w(i))`` mod 2**64 over the global flat index ``i`` of each piece's elements.
 
     Work is split into row segments of at most :data:`_SEGMENT` elements, summed by a thread pool as
     wide as torch's intra-op pool (numpy releases the GIL in these loops)."""
-    jobs: list[tuple[int, np.ndarray, np.ndarray]] = []
+    jobs: list[tuple[int, torch.Tensor, np.ndarray]] = []
     for i, (piece, offsets, global_shape) in enumerate(pieces):
         if piece.numel() == 0:
             continue
-        bits, starts = _runs(piece, offsets, global_shape)
-        step = max(1, _SEGMENT // bits.shape[1])
-        for r in range(0, bits.shape[0], step):
-            jobs.append((i, bits[r:r + step], starts[r:r + step]))
+        rows, starts = _runs(piece, offsets, global_shape)
+        step = max(1, _SEGMENT // rows.shape[1])
+        for r in range(0, rows.shape[0], step):
+            jobs.append((i, rows[r:r + step], starts[r:r + step]))
+
+    def run(job: tuple[int, torch.Tensor, np.ndarray]) -> int:
+        return _segment_sum(_bits(job[1], version), job[2])  # a segment's float32 copy at most, not a piece's
+
     sums = [0] * len(pieces)
     workers = max(1, min(torch.get_num_threads(), len(jobs)))
     if workers == 1:
-        results = [_segment_sum(b, s) for _, b, s in jobs]
+        results = [run(job) for job in jobs]
     else:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(lambda job: _segment_sum(job[1], job[2]), jobs))
+            results = list(pool.map(run, jobs))
     for (i, _, _), value in zip(jobs, results):
         sums[i] += value
     return [s & 0xFFFFFFFFFFFFFFFF for s in sums]
 
 
-def base_fingerprint(frozen: dict[str, GlobalTensor], distributed: bool) -> str:
-    """Layout-independent fingerprint of the given frozen entries (collective when ``distributed``)."""
+def base_fingerprint(frozen: dict[str, GlobalTensor], distributed: bool, version: int = FINGERPRINT_VERSION) -> str:
+    """Layout-independent fingerprint of the given frozen entries (collective when ``distributed``), computed
+    as ``version`` defines it (see the module docstring)."""
+    if version not in (1, 2):
+        raise ValueError(f"unknown fingerprint version {version}")
     mine = sorted((k, p.offsets) for k, e in frozen.items() for p in e.pieces)
     if distributed:
         everyone: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(dist.get_world_size())]
@@ -136,22 +164,27 @@ def base_fingerprint(frozen: dict[str, GlobalTensor], distributed: bool) -> str:
     # Resident pieces are summed together (one thread pool over all of them); pieces of a lazy entry (a meta
     # tensor, produced on demand) one at a time, so a base streamed from disk is never held whole.
     resident = [(k, p.tensor, tuple(p.offsets), e.global_shape) for k, e, p in mine_to_sum if not p.tensor.is_meta]
-    for (k, *_), s in zip(resident, _piece_sums([job[1:] for job in resident])):
+    for (k, *_), s in zip(resident, _piece_sums([job[1:] for job in resident], version)):
         sums[position[k]] += s - (1 << 64) if s >= (1 << 63) else s
     for k, e, p in mine_to_sum:
         if p.tensor.is_meta:
             (s,) = _piece_sums([(e.__get_tensor_shard__(MetadataIndex(k, p.offsets)), tuple(p.offsets),
-                                 e.global_shape)])
+                                 e.global_shape)], version)
             sums[position[k]] += s - (1 << 64) if s >= (1 << 63) else s
     if distributed:
         dist.all_reduce(sums)
     meta: dict[str, object] = {}
     if distributed:
         shapes: list[dict[str, list[object]]] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(shapes, {k: [list(e.global_shape), str(e.dtype)] for k, e in frozen.items()})
+        dist.all_gather_object(shapes, {k: _record(e, version) for k, e in frozen.items()})
         for rank_shapes in shapes:
             meta.update(rank_shapes)
     else:
-        meta = {k: [list(e.global_shape), str(e.dtype)] for k, e in frozen.items()}
+        meta = {k: _record(e, version) for k, e in frozen.items()}
     payload = json.dumps([[k, meta[k], int(sums[position[k]])] for k in keys]).encode()
-    return "sha256:" + hashlib.sha256(payload).hexdigest()
+    return ("v2:" if version == 2 else "") + "sha256:" + hashlib.sha256(payload).hexdigest()
+
+
+def _record(entry: GlobalTensor, version: int) -> list[object]:
+    kind = "floating" if version >= 2 and entry.dtype.is_floating_point else str(entry.dtype)
+    return [list(entry.global_shape), kind]

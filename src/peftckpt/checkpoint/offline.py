@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..sharding.entries import GlobalTensor, LazyGlobalTensor, global_tensor_of
 from .checksums import verify_files
 from .errors import CheckpointFormatError, CheckpointIntegrityError, as_read_error, unwrap_dcp_error
-from .fingerprint import base_fingerprint
+from .fingerprint import FINGERPRINT_VERSION, base_fingerprint
 from .integrity import dcp_problems
 from .manifest import Manifest, read_manifest
 from .safe_pickle import SafeFileSystemReader
@@ -65,7 +65,7 @@ class OfflineCheckpoint:
         return {k[len(prefix):]: v for k, v in request.items()}
 
 
-    def fingerprint(self, names: list[str]) -> str:
+    def fingerprint(self, names: list[str], version: int = FINGERPRINT_VERSION) -> str:
         """The base fingerprint of model tensors ``names``, read and summed one tensor at a time."""
         prefix = MODEL + "."
         entries: dict[str, GlobalTensor] = {}
@@ -75,7 +75,7 @@ class OfflineCheckpoint:
                 raise CheckpointFormatError(f"checkpoint {self.path} lacks model tensor {name!r}")
             entries[prefix + name] = LazyGlobalTensor(rec["shape"], getattr(torch, rec["dtype"]),
                                                       functools.partial(self._one, name))
-        return base_fingerprint(entries, distributed=False)
+        return base_fingerprint(entries, distributed=False, version=version)
 
     def _one(self, name: str) -> torch.Tensor:
         return self.model_tensors([name])[name]

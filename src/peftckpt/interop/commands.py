@@ -22,6 +22,7 @@ from torch import nn
 
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
+from ..checkpoint.fingerprint import fingerprint_version
 from ..checkpoint.offline import OfflineCheckpoint, open_checkpoint
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
@@ -195,7 +196,8 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
         if verify_base and ckpt.manifest.base_fingerprint:
             frozen = [k.removeprefix("model.") for k in ckpt.manifest.excluded_keys]
             have = {k.removeprefix("model.") for k in base_ckpt.manifest.saved_keys}
-            mine = base_ckpt.fingerprint(frozen) if have.issuperset(frozen) else "incomplete"
+            version = fingerprint_version(ckpt.manifest.base_fingerprint)
+            mine = base_ckpt.fingerprint(frozen, version) if have.issuperset(frozen) else "incomplete"
             if mine != ckpt.manifest.base_fingerprint:
                 raise CheckpointMismatchError(
                     f"adapter checkpoint {ckpt.path} was trained on a different base than --base {base_ckpt.path}"
