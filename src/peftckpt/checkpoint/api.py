@@ -767,6 +767,44 @@ class Checkpointer:
             self._raise_if_damaged(verification, problems, after_read=True)
         self._agree(error)
 
+    def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
+                          read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor]) -> list[str]:
+        """Load the model sections from a source in another format, piece by piece (collective).
+
+        ``shapes`` maps the storage keys the source holds (``model.<name>``) to their global shapes; ``read(key,
+        offsets, sizes)`` returns that region of one. Each rank reads only its own pieces, straight into the
+        model. As with :meth:`load_pretrained`, a frozen tensor the source lacks (or holds with another
+        shape) is an error naming ``source``; trainable ones it lacks (adapters) keep their values. Returns
+        the keys that were not in the source."""
+        self.wait()
+        request = self._request(False, False)
+        absent = sorted(k for k in request if k not in shapes)
+        wrong = [f"  {k}: {source} {list(shapes[k])}, model {list(v.global_shape)}" for k, v in sorted(request.items())
+                 if k in shapes and list(shapes[k]) != list(v.global_shape)]
+        frozen_absent = [k for k in absent if not request[k].requires_grad]
+        error: BaseException | None = None
+        if frozen_absent or wrong:
+            error = CheckpointMismatchError(
+                (f"{source} lacks {len(frozen_absent)} frozen base tensor(s): "
+                 + ", ".join(frozen_absent[:10]) + ("" if len(frozen_absent) <= 10 else ", ...") + "\n"
+                 if frozen_absent else "")
+                + (f"{source} holds tensors of other shapes than this model's:\n" + "\n".join(wrong[:10])
+                   if wrong else ""))
+        self._agree(error)
+        try:
+            with torch.no_grad():
+                for key, entry in request.items():
+                    if key in shapes:
+                        for piece in entry.pieces:
+                            piece.tensor.copy_(read(key, piece.offsets, piece.tensor.shape))
+        except CheckpointError as e:
+            error = e
+        except (OSError, ValueError) as e:  # an unreadable or damaged source file: the source names it
+            error = CheckpointIntegrityError(f"{source} cannot be read: {e}")
+        self._agree(error)
+        self._fingerprints.clear()  # the base changed
+        return absent
+
     def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
         """Load the base weights (model sections only) from a full checkpoint.
 

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from ..checkpoint.manifest import Manifest
 from ..model.config import ALL_LORA_TARGETS, LORA_PART_TARGETS, LORA_TARGETS, GPTConfig, LoRAConfig
@@ -270,15 +271,27 @@ def _manifest_of(path: str | None) -> Manifest | None:
         return None  # the load itself reports a missing or bad checkpoint, with its own flag semantics
 
 
+def _model_config_of(path: str | None) -> dict[str, Any]:
+    """The architecture recorded by a checkpoint's manifest, or given by an HF directory's config.json."""
+    from ..interop import HFModelDir, InteropError, is_hf_dir
+
+    if path and is_hf_dir(path):
+        try:
+            return HFModelDir(path).config.to_dict()
+        except InteropError:
+            return {}  # the load reports it, naming the file
+    manifest = _manifest_of(path)
+    return manifest.model_config if manifest is not None else {}
+
+
 def apply_checkpoint_defaults(args: argparse.Namespace, given: set[str]) -> list[str]:
-    """Architecture flags not on the command line come from the manifest of ``--pretrained-checkpoint``
-    (else of ``--load``); LoRA flags, when ``--lora-rank`` is not given, from the ``--load`` checkpoint's
+    """Architecture flags not on the command line come from the manifest of ``--pretrained-checkpoint`` (or
+    its ``config.json`` when it is an HF directory; else from ``--load``'s manifest); LoRA flags, when ``--lora-rank`` is not given, from the ``--load`` checkpoint's
     adapter config. Returns one note per source used. A flag given explicitly always wins (and a
     mismatch with the checkpoint is then reported by the load)."""
     notes = []
     for flag, path in (("--pretrained-checkpoint", args.pretrained_checkpoint), ("--load", args.load)):
-        manifest = _manifest_of(path)
-        config = manifest.model_config if manifest is not None else {}
+        config = _model_config_of(path)
         taken = [d for d in MODEL_DESTS if d not in given and d in config]
         if taken:
             for d in taken:

@@ -12,16 +12,17 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
-from ..checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from ..checkpoint.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 from ..checkpoint.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
-from ..checkpoint.sections import DATA, ITERATION, OPT_PARAM_SCHEDULER
+from ..checkpoint.sections import DATA, ITERATION, MODEL, OPT_PARAM_SCHEDULER
 from ..checkpoint.strictness import StrictHandling
 from ..checkpoint.trainable import TORCH, TORCH_DIST
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["add_checkpoint_args", "validate_checkpoint_args", "check_checkpoint_paths", "TrainerCheckpointing"]
+__all__ = ["add_checkpoint_args", "validate_checkpoint_args", "check_checkpoint_paths", "load_base",
+           "TrainerCheckpointing"]
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -31,7 +32,8 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
     g.add_argument("--load", default=None, help="resume from the newest committed checkpoint of this directory")
     g.add_argument("--pretrained-checkpoint", default=None,
-                   help="full torch_dist checkpoint holding the base weights, loaded (model only) before --load")
+                   help="the base weights, loaded (model only) before --load: a full torch_dist checkpoint or an "
+                   "HF Llama directory (config.json + safetensors, read per rank without conversion)")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights from --load and start at iteration 0")
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
@@ -82,6 +84,23 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--exit-interval must be >= 1, got {args.exit_interval}")
     if args.keep_last_k is not None and args.keep_last_k < 1:
         raise ArgumentError(f"--keep-last-k must be >= 1, got {args.keep_last_k}")
+
+
+def load_base(ckpt: Checkpointer, path: str, options: LoadOptions) -> str:
+    """Load ``--pretrained-checkpoint`` into the model (collective): a torch_dist checkpoint, or an HF Llama
+    directory read per rank (each rank reads only the bytes of its own pieces). Returns what was loaded."""
+    from ..interop import HFModelDir, InteropError, is_hf_dir
+
+    if not is_hf_dir(path):
+        return str(ckpt.load_pretrained(path, options).path)
+    try:
+        hf = HFModelDir(path)
+    except InteropError as e:
+        raise CheckpointFormatError(f"--pretrained-checkpoint: {e}") from None
+    shapes = {f"{MODEL}.{name}": shape for name, (shape, _) in hf.ours.items()}
+    ckpt.load_base_tensors(f"--pretrained-checkpoint {path}", shapes,
+                           lambda key, offsets, sizes: hf.read(key.removeprefix(f"{MODEL}."), offsets, sizes))
+    return f"{path} (HF safetensors)"
 
 
 def _save_dir_problem(flag: str, value: str) -> str | None:
@@ -189,8 +208,8 @@ class TrainerCheckpointing:
         """``--pretrained-checkpoint`` (model only), then ``--load`` (everything the flags allow)."""
         a, t = self.args, self.trainer
         if a.pretrained_checkpoint:
-            res = self.ckpt.load_pretrained(a.pretrained_checkpoint, self._load_options(model_only=True))
-            t.logger.info(f"loaded base weights from {res.path} (trainable tensors it does not hold, such as "
+            where = load_base(self.ckpt, a.pretrained_checkpoint, self._load_options(model_only=True))
+            t.logger.info(f"loaded base weights from {where} (trainable tensors it does not hold, such as "
                           "adapters, keep their initialisation)")
         if not a.load:
             return

@@ -32,7 +32,7 @@ __all__ = ["evaluate", "eval_main"]
 
 def evaluate(args: argparse.Namespace, world_size: int, rank: int) -> dict[str, Any]:
     """Steps 1-3 of the module docstring; returns the JSON report (on every rank)."""
-    from .checkpointing import TrainerCheckpointing
+    from .checkpointing import TrainerCheckpointing, load_base
     from .trainer import Trainer
 
     args.eval_fraction = 0.0
@@ -41,8 +41,8 @@ def evaluate(args: argparse.Namespace, world_size: int, rank: int) -> dict[str, 
     loaded: dict[str, str] = {}
     verify = not args.no_verify_checksums
     if args.pretrained_checkpoint:
-        res = ckpt.load_pretrained(args.pretrained_checkpoint, LoadOptions(verify_checksums=verify))
-        loaded["pretrained_checkpoint"] = str(res.path)
+        loaded["pretrained_checkpoint"] = load_base(ckpt, args.pretrained_checkpoint,
+                                                    LoadOptions(verify_checksums=verify))
     if args.load:
         res = ckpt.load(args.load, LoadOptions(load_optim=False, load_rng=False, verify_checksums=verify,
                                                verify_base=not args.no_verify_base,
