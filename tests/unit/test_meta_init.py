@@ -245,3 +245,21 @@ def test_building_with_a_base_to_load_costs_its_bf16_share(tmp_path: Path,
     assert eager_build > 0.9 * full, "the eager build holds the whole fp32 model"
     assert meta_build < 0.1 * full, "a meta build with a base to load touches (almost) no memory"
     assert meta_total < 0.75 * eager_total, (meta_total, eager_total)
+
+
+def test_frozen_bf16_linear_backward_is_the_fp32_product() -> None:
+    """base_linear's CPU backward for a frozen bf16 weight (blocks of rows upcast to fp32, avoiding torch's
+    slow bf16 layout) gives the input gradient of the same product; the frozen weight gets none."""
+    from peftckpt.model.linear import base_linear
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2500, 64, generator=gen).bfloat16()  # more rows than one backward block
+    x = torch.randn(3, 5, 64, generator=gen, requires_grad=True)
+    g = torch.randn(3, 5, 2500, generator=gen)
+    y = base_linear(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), (x.bfloat16().float() @ w.float().T), rtol=1e-2, atol=1e-2)
+    y.backward(g.bfloat16())
+    expected = (g.bfloat16().float() @ w.float()).bfloat16().float()
+    torch.testing.assert_close(x.grad, expected, rtol=1e-2, atol=1e-2)
+    assert w.grad is None

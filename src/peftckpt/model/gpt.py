@@ -37,7 +37,7 @@ from torch import nn
 from ..parallel.tensor_parallel import TensorParallel, local_tensor
 from .config import GPTConfig
 from .deferred import ParamFilter, ShardedInit, init_parameters, materialize, sharded_param
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, RowParallelLinear, base_linear
 
 __all__ = ["GPTModel", "TransformerLayer", "param_generator", "gpt_loss"]
 
@@ -306,7 +306,7 @@ class GPTModel(nn.Module):
         else:
             assert self.embedding is not None
             w = local_tensor(self.embedding.word_embeddings.weight)
-        return F.linear(x.to(w.dtype), w)
+        return base_linear(x, w)
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

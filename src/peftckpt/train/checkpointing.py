@@ -208,9 +208,14 @@ class TrainerCheckpointing:
         """``--pretrained-checkpoint`` (model only), then ``--load`` (everything the flags allow)."""
         a, t = self.args, self.trainer
         if a.pretrained_checkpoint:
+            start = time.perf_counter()
             where = load_base(self.ckpt, a.pretrained_checkpoint, self._load_options(model_only=True))
-            t.logger.info(f"loaded base weights from {where} (trainable tensors it does not hold, such as "
-                          "adapters, keep their initialisation)")
+            t.logger.info(f"loaded base weights from {where} in {time.perf_counter() - start:.2f} s (trainable "
+                          "tensors it does not hold, such as adapters, keep their initialisation)")
+            if a.save_trainable_params_only:  # computed once per run: now, so its cost shows at start-up
+                start = time.perf_counter()
+                self.ckpt.fingerprint()
+                t.logger.info(f"base fingerprint computed in {time.perf_counter() - start:.2f} s")
         if not a.load:
             return
         try:
