@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch 2.13.0 first: a CPU wheel lies on these machines; a looser pin would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench bench-scale clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,9 +27,13 @@ test: venv
 bench: venv
 	$(BIN)/python bench/ckpt_bench.py
 
+# A Llama-2-7B-shaped bf16 base (13.5 GB, generated) imported and fine-tuned at TP=2; ~40 GB of disk, ~15-25 min.
+bench-scale: venv
+	$(BIN)/python bench/scale_bench.py
+
 lint: venv
 	$(BIN)/ruff check src tests scripts bench
 	$(BIN)/mypy
 
 clean:
-	rm -rf demo_out .pytest_cache
+	rm -rf demo_out .pytest_cache bench_scale_out

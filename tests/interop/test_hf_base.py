@@ -85,3 +85,22 @@ def test_bad_hf_directories_are_one_message(tmp_path: Path, damage: str) -> None
         assert proc.returncode == 1 and proc.stderr.count(expected) == 1, proc.stderr
         assert "Traceback" not in proc.stderr and not (tmp_path / "save" / "latest_checkpointed_iteration.txt").exists()
         shutil.rmtree(src)
+
+
+def test_tools_take_an_hf_directory_as_base(lora_run: Path, hf_dir: Path, base: Path, tmp_path: Path) -> None:
+    """export-hf --base and import-peft --base accept the HF directory and give what its import gives."""
+    merged = {}
+    for name, source in (("hf", hf_dir), ("imported", base)):
+        peftckpt(["export-hf", str(lora_run), str(tmp_path / f"merged-{name}"), "--base", str(source)])
+        merged[name] = load_file(str(tmp_path / f"merged-{name}" / "model.safetensors"))
+    assert sorted(merged["hf"]) == sorted(merged["imported"])
+    assert all(torch.equal(merged["hf"][k], merged["imported"][k]) for k in merged["hf"])
+    peftckpt(["export-peft", str(lora_run), str(tmp_path / "peft")])
+    adapters = {}
+    for name, source in (("hf", hf_dir), ("imported", base)):
+        out = tmp_path / f"adapter-{name}"
+        peftckpt(["import-peft", str(tmp_path / "peft"), str(out), "--base", str(source)])
+        ckpt, _ = resolve_checkpoint_dir(out)
+        adapters[name] = (read_manifest(ckpt).base_fingerprint, read_dcp_tensors(ckpt))
+    assert adapters["hf"][0] == adapters["imported"][0] == read_manifest(resolve_checkpoint_dir(lora_run)[0]).base_fingerprint
+    assert all(torch.equal(v, adapters["imported"][1][k]) for k, v in adapters["hf"][1].items())

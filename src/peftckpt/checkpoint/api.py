@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..sharding.entries import GlobalTensor
+from ..sharding.entries import GlobalTensor, LazyGlobalTensor
 from . import legacy
 from .checksums import (
     ChecksummingFileSystem,
@@ -363,7 +363,11 @@ class Checkpointer:
                                 args=dict(args or {}))
         try:
             if options.ckpt_format == TORCH_DIST:
-                writer = FileSystemWriter(staging, sync_files=True, thread_count=1)
+                streamed = any(isinstance(v, LazyGlobalTensor) for v in flat.values())
+                # Lazy entries need DCP's serial loader (one item resolved, then written, then the next; see
+                # EntrySavePlanner); it is the only one without CUDA, and copy-ahead 0 selects it with CUDA.
+                writer = FileSystemWriter(staging, sync_files=True, thread_count=1,
+                                          per_thread_copy_ahead=0 if streamed else 10_000_000)
                 # Checksum each file as it is written (overlapping serialisation, I/O and hashing).
                 writer.fs = commit.checksums = ChecksummingFileSystem()
                 planner = EntrySavePlanner(on_item=lambda: fault_point("data", self.rank, iteration))

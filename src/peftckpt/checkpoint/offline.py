@@ -12,12 +12,13 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..sharding.entries import GlobalTensor, LazyGlobalTensor, global_tensor_of
+from ..sharding.entries import GlobalTensor, LazyGlobalTensor
 from .checksums import verify_files
 from .errors import CheckpointFormatError, CheckpointIntegrityError, as_read_error, unwrap_dcp_error
 from .fingerprint import FINGERPRINT_VERSION, base_fingerprint
@@ -28,7 +29,7 @@ from .sections import MODEL
 from .storage_layout import resolve_checkpoint_dir
 from .trainable import TORCH_DIST
 
-__all__ = ["OfflineCheckpoint", "open_checkpoint", "fingerprint_of"]
+__all__ = ["OfflineCheckpoint", "TensorSource", "open_checkpoint", "lazy_entries", "lazy_fingerprint"]
 
 
 @dataclass
@@ -65,20 +66,45 @@ class OfflineCheckpoint:
         return {k[len(prefix):]: v for k, v in request.items()}
 
 
+    def model_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """``{model name: (global shape, dtype)}`` of every model tensor it holds (from the manifest, which the
+        whole-checkpoint check matched against the stored tensors)."""
+        prefix = MODEL + "."
+        return {k[len(prefix):]: (torch.Size(r["shape"]), getattr(torch, r["dtype"]))
+                for k, r in self.manifest.saved_keys.items() if k.startswith(prefix)}
+
     def fingerprint(self, names: list[str], version: int = FINGERPRINT_VERSION) -> str:
         """The base fingerprint of model tensors ``names``, read and summed one tensor at a time."""
-        prefix = MODEL + "."
-        entries: dict[str, GlobalTensor] = {}
-        for name in names:
-            rec = self.manifest.saved_keys.get(prefix + name)
-            if rec is None:
-                raise CheckpointFormatError(f"checkpoint {self.path} lacks model tensor {name!r}")
-            entries[prefix + name] = LazyGlobalTensor(rec["shape"], getattr(torch, rec["dtype"]),
-                                                      functools.partial(self._one, name))
-        return base_fingerprint(entries, distributed=False, version=version)
+        return lazy_fingerprint(self, names, version)
 
-    def _one(self, name: str) -> torch.Tensor:
-        return self.model_tensors([name])[name]
+
+class TensorSource(Protocol):
+    """What the offline tools read a base or an adapter from: a checkpoint, or an HF directory."""
+
+    path: Path
+
+    def model_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]: ...
+
+    def model_tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]: ...
+
+
+def lazy_entries(source: TensorSource, names: list[str]) -> dict[str, GlobalTensor]:
+    """``{model.<name>: entry}`` of ``source``'s tensors ``names``, each read only when it is used."""
+    shapes = source.model_shapes()
+    absent = [n for n in names if n not in shapes]
+    if absent:
+        raise CheckpointFormatError(f"{source.path} lacks model tensor(s) {absent[:10]}")
+    return {f"{MODEL}.{n}": LazyGlobalTensor(shapes[n][0], shapes[n][1],
+                                             functools.partial(_one_tensor, source, n)) for n in names}
+
+
+def lazy_fingerprint(source: TensorSource, names: list[str], version: int = FINGERPRINT_VERSION) -> str:
+    """The base fingerprint of ``source``'s tensors ``names``, read and summed one tensor at a time."""
+    return base_fingerprint(lazy_entries(source, names), distributed=False, version=version)
+
+
+def _one_tensor(source: TensorSource, name: str) -> torch.Tensor:
+    return source.model_tensors([name])[name]
 
 
 def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
@@ -96,9 +122,3 @@ def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
     if problems:
         raise CheckpointIntegrityError(f"{what} {ckpt} is damaged:\n  " + "\n  ".join(problems))
     return OfflineCheckpoint(ckpt, iteration, manifest)
-
-
-def fingerprint_of(tensors: dict[str, torch.Tensor]) -> str:
-    """The base fingerprint (as stored in adapter manifests) of global model tensors keyed by model name."""
-    return base_fingerprint({f"{MODEL}.{k}": global_tensor_of(v, requires_grad=False) for k, v in tensors.items()},
-                            distributed=False)

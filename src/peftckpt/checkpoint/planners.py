@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from ..sharding.entries import GlobalTensor
+from ..sharding.entries import GlobalTensor, LazyGlobalTensor
 
 __all__ = ["EntrySavePlanner", "EntryLoadPlanner"]
 
@@ -23,14 +23,29 @@ class EntrySavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._on_item = on_item
         """Called as each item is fetched for writing (fault injection)."""
+        self._streamed: torch.Tensor | None = None
+        """The tensor a lazy entry produced for the item being written (see :meth:`_release_streamed`)."""
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         if self._on_item is not None:
             self._on_item()
+        self._release_streamed()
         obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, LazyGlobalTensor):
+            self._streamed = obj.__get_tensor_shard__(index)
+            return self._streamed
         if isinstance(obj, GlobalTensor):
             return obj.__get_tensor_shard__(index)
         return super().lookup_object(index)
+
+    def _release_streamed(self) -> None:
+        """Free the tensor the previous lazy entry produced: DCP's serial loader asks for the next item only
+        once the previous one is written, but its writer keeps every tensor of a file referenced until the file
+        is closed (``tensor_dict``, used only for its safetensors format), which would hold a whole streamed
+        model. The reference it keeps then points at empty storage that nothing reads again."""
+        if self._streamed is not None:
+            self._streamed.untyped_storage().resize_(0)
+            self._streamed = None
 
 
 class EntryLoadPlanner(DefaultLoadPlanner):

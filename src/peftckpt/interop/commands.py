@@ -13,22 +13,22 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
+from ..checkpoint.api import Checkpointer, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
 from ..checkpoint.fingerprint import fingerprint_version
-from ..checkpoint.offline import OfflineCheckpoint, open_checkpoint
+from ..checkpoint.offline import OfflineCheckpoint, lazy_entries, lazy_fingerprint, open_checkpoint
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
 from ..model.lora import apply_lora
-from ..sharding.entries import LazyGlobalTensor
-from .hf_dir import HFModelDir
+from ..sharding.entries import GlobalTensor, LazyGlobalTensor, global_tensor_of
+from .hf_dir import HFModelDir, is_hf_dir
 from .hf_llama import InteropError, config_to_hf, hf_export_plan, write_hf_dir
 from .peft import adapter_to_peft, is_adapter_name, peft_to_adapter, read_peft_dir, write_peft_dir
 
@@ -46,19 +46,14 @@ def _fresh_output(path: str | os.PathLike[str], flag: str) -> Path:
     return out
 
 
-def _checkpointer(model: GPTModel, cfg: GPTConfig, lora: LoRAConfig | None) -> Checkpointer:
-    return Checkpointer([model], None, layout=_SINGLE, coords=_COORDS, model_config=cfg.to_dict(),
-                        adapter_config=None if lora is None else lora.to_dict())
-
-
 # ----------------------------------------------------------------------------------------- import-hf
 class _StreamedChunk(nn.Module):
-    """A model chunk whose entries are produced tensor by tensor while they are written (see
-    :class:`~peftckpt.sharding.entries.LazyGlobalTensor`): a save through it holds one tensor at a time."""
+    """A model chunk made of prebuilt entries, lazy ones produced tensor by tensor while they are written or
+    fingerprinted (see :class:`~peftckpt.sharding.entries.LazyGlobalTensor`): it never holds the base."""
 
-    def __init__(self, entries: dict[str, LazyGlobalTensor]):
+    def __init__(self, entries: Mapping[str, GlobalTensor]):
         super().__init__()
-        self._entries = entries
+        self._entries = dict(entries)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         return dict(self._entries)
@@ -108,28 +103,51 @@ def _read_as(hf: HFModelDir, name: str, dtype: torch.dtype | None) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------------------- import-peft
+def _open_base(path: str | os.PathLike[str], verify_checksums: bool) -> HFModelDir | OfflineCheckpoint:
+    """``--base``: an HF Llama directory, or a full torch_dist checkpoint (an adapter-only one is refused)."""
+    if is_hf_dir(path):
+        return HFModelDir(path)
+    base = open_checkpoint(path, verify_checksums, what="--base")
+    if base.manifest.trainable_only:
+        raise InteropError(f"--base {base.path} is an adapter-only checkpoint; pass the full base "
+                           "(an HF directory, or a checkpoint made by import-hf)")
+    return base
+
+
+def _config_of(base: HFModelDir | OfflineCheckpoint) -> GPTConfig:
+    return base.config if isinstance(base, HFModelDir) else GPTConfig.from_dict(base.manifest.model_config)
+
+
 def import_peft(peft_dir: str | os.PathLike[str], out: str | os.PathLike[str], base: str | os.PathLike[str],
                 verify_checksums: bool = True) -> Path:
-    """PEFT LoRA adapter -> an adapter-only checkpoint (iteration 0, no optimizer state) for ``base``."""
-    out_dir = _fresh_output(out, "OUT")
-    base_ckpt = open_checkpoint(base, verify_checksums, what="--base")
-    if base_ckpt.manifest.trainable_only:
-        raise InteropError(f"--base {base_ckpt.path} is an adapter-only checkpoint; pass the full base "
-                           "(e.g. made by import-hf)")
-    cfg = GPTConfig.from_dict(base_ckpt.manifest.model_config)
+    """PEFT LoRA adapter -> an adapter-only checkpoint (iteration 0, no optimizer state) for ``base``.
+
+    Streams: the checkpoint holds the adapter; the base (an HF directory or a full checkpoint) is only read,
+    one tensor at a time, for the fingerprint the checkpoint records."""
+    base_src = _open_base(base, verify_checksums)
+    cfg = _config_of(base_src)
     peft_config, peft_tensors = read_peft_dir(peft_dir)
     lora, adapter = peft_to_adapter(peft_tensors, peft_config, cfg, str(peft_dir))
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, device="meta")  # names and shapes only: what training with this adapter holds
     apply_lora([model], lora, seed=0)
-    ckpt = _checkpointer(model, cfg, lora)
-    ckpt.load_pretrained(base_ckpt.path, LoadOptions(verify_checksums=False))  # verified above
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in adapter.items():
-            params[name].copy_(value)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    got = {n: tuple(t.shape) for n, t in adapter.items()}
+    if got != expected:
+        raise InteropError(f"{peft_dir}: the adapter's tensors {sorted(set(got) ^ set(expected))[:5]} do not match "
+                           "the LoRA layers its config describes on this base")
+    frozen = sorted(n for n, _ in model.named_parameters() if n not in expected)
+    entries: dict[str, GlobalTensor] = {k.removeprefix("model."): v for k, v in lazy_entries(base_src, frozen).items()}
+    entries |= {n: global_tensor_of(t, requires_grad=True) for n, t in adapter.items()}
     args = {"source": "import-peft", "peft_dir": str(Path(peft_dir).absolute()),
-            "pretrained_checkpoint": str(base_ckpt.path)}
-    return ckpt.save(out_dir, 0, {}, SaveOptions(trainable_only=True, save_optim=False, save_rng=False), args=args)
+            "pretrained_checkpoint": str(Path(base_src.path).absolute())}
+    with _output_dir(out) as out_dir:
+        ckpt = Checkpointer([_StreamedChunk(entries)], None, layout=_SINGLE, coords=_COORDS,
+                            model_config=cfg.to_dict(), adapter_config=lora.to_dict())
+        try:
+            return ckpt.save(out_dir, 0, {}, SaveOptions(trainable_only=True, save_optim=False, save_rng=False),
+                             args=args)
+        finally:
+            ckpt.close()
 
 
 # --------------------------------------------------------------------------------------- exports
@@ -190,20 +208,19 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
     ckpt = open_checkpoint(ckpt_path, verify_checksums)
     cfg = GPTConfig.from_dict(ckpt.manifest.model_config)
     hf_config = config_to_hf(cfg, dtype)
-    sources = {k.removeprefix("model."): ckpt for k in ckpt.manifest.saved_keys if k.startswith("model.")}
+    sources: dict[str, HFModelDir | OfflineCheckpoint] = dict.fromkeys(ckpt.model_shapes(), ckpt)
     if ckpt.manifest.trainable_only:
-        base_ckpt = open_checkpoint(_base_path(ckpt, base), verify_checksums, what="--base")
+        base_src = _open_base(_base_path(ckpt, base), verify_checksums)
         if verify_base and ckpt.manifest.base_fingerprint:
             frozen = [k.removeprefix("model.") for k in ckpt.manifest.excluded_keys]
-            have = {k.removeprefix("model.") for k in base_ckpt.manifest.saved_keys}
             version = fingerprint_version(ckpt.manifest.base_fingerprint)
-            mine = base_ckpt.fingerprint(frozen, version) if have.issuperset(frozen) else "incomplete"
+            mine = lazy_fingerprint(base_src, frozen, version) if set(base_src.model_shapes()).issuperset(frozen) \
+                else "incomplete"
             if mine != ckpt.manifest.base_fingerprint:
                 raise CheckpointMismatchError(
-                    f"adapter checkpoint {ckpt.path} was trained on a different base than --base {base_ckpt.path}"
+                    f"adapter checkpoint {ckpt.path} was trained on a different base than --base {base_src.path}"
                     f" (fingerprint {ckpt.manifest.base_fingerprint} vs {mine}); --no-verify-base overrides")
-        sources = {k.removeprefix("model."): base_ckpt for k in base_ckpt.manifest.saved_keys
-                   if k.startswith("model.")} | sources
+        sources = dict.fromkeys(base_src.model_shapes(), base_src) | sources
     adapter_names = sorted(k for k in sources if is_adapter_name(k))
     adapters = ckpt.model_tensors(adapter_names) if adapter_names else {}
     deltas: dict[str, torch.Tensor] = {}
@@ -221,7 +238,7 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
         raise InteropError(f"checkpoint {ckpt.path} lacks model tensor(s) {missing[:5]} that an HF Llama needs")
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for ours, split in plan:
-        shape = sources[ours].manifest.saved_keys[f"model.{ours}"]["shape"]
+        shape = sources[ours].model_shapes()[ours][0]
         for name, part in split(torch.empty(shape, device="meta")):
             specs[name] = (dtype, tuple(part.shape))
 
@@ -269,7 +286,8 @@ def import_peft_main(argv: Sequence[str]) -> int:
         "checkpoint (iteration 0, per-projection adapters) that `train --load` resumes from."))
     p.add_argument("peft_dir", metavar="PEFT_DIR")
     p.add_argument("out", metavar="OUT", help="new save directory (must not exist or be empty)")
-    p.add_argument("--base", required=True, help="the full base checkpoint the adapter belongs to (see import-hf)")
+    p.add_argument("--base", required=True, help="the base the adapter belongs to: an HF Llama directory or a full "
+                   "checkpoint (see import-hf)")
     p.add_argument("--no-verify-checksums", action="store_true")
     return _run("import-peft", p, argv, lambda a: (
         f"imported {a.peft_dir} -> {import_peft(a.peft_dir, a.out, a.base, not a.no_verify_checksums)}"))
@@ -293,7 +311,8 @@ def export_hf_main(argv: Sequence[str]) -> int:
         "adapter-only checkpoint needs its base (--base, default: the --pretrained-checkpoint it was trained on)."))
     p.add_argument("ckpt", metavar="CKPT", help="save directory or checkpoint directory")
     p.add_argument("out", metavar="OUT", help="new directory (must not exist or be empty)")
-    p.add_argument("--base", default=None, help="full base checkpoint of an adapter-only CKPT")
+    p.add_argument("--base", default=None, help="the base of an adapter-only CKPT: a full checkpoint or an HF "
+                   "Llama directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--no-verify-base", action="store_true", help="merge even if the base fingerprint differs")
     p.add_argument("--no-verify-checksums", action="store_true")

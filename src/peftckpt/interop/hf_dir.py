@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.fingerprint import FINGERPRINT_VERSION
+from ..checkpoint.offline import lazy_fingerprint
 from ..model.config import GPTConfig
 from .hf_llama import (
     CONFIG_FILE,
@@ -174,6 +176,18 @@ class HFModelDir:
         if theirs is None:
             raise KeyError(f"{ours!r} is not a tensor of the HF model {self.path}")
         return [(theirs, r0, r1 - r0)]
+
+    def model_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Our model tensors: ``{name: (global shape, dtype in the HF files)}`` (a tensor source of the tools)."""
+        return {name: (torch.Size(shape), dtype) for name, (shape, dtype) in self.ours.items()}
+
+    def model_tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Whole tensors of ours, assembled from the HF files."""
+        return {n: self.read(n) for n in (sorted(self.ours) if names is None else names)}
+
+    def fingerprint(self, names: list[str], version: int = FINGERPRINT_VERSION) -> str:
+        """The base fingerprint of tensors ``names``, read and summed one at a time."""
+        return lazy_fingerprint(self, names, version)
 
     def read(self, ours: str, offsets: Sequence[int] | None = None, sizes: Sequence[int] | None = None
              ) -> torch.Tensor:
