@@ -10,30 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-from peftckpt.checkpoint.api import Checkpointer, LoadOptions
+from peftckpt.checkpoint.api import LoadOptions
 from peftckpt.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.verify import verify_checkpoint, verify_main
-
-LAYOUT = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}
-COORDS = {"tp": 0, "pp": 0, "dp": 0}
-
-
-def _checkpointer(seed: int = 0) -> tuple[Checkpointer, nn.Module]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(4, 64)).sum().backward()
-    opt.step()
-    return Checkpointer([model], opt, layout=LAYOUT, coords=COORDS, model_config={"width": 64}), model
+from tests.unit.small_model import small_checkpointer
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save = tmp_path_factory.mktemp("pristine")
-    _checkpointer()[0].save(save, 3, {"iteration": 3})
+    small_checkpointer()[0].save(save, 3, {"iteration": 3})
     return save
 
 
@@ -68,7 +56,7 @@ def test_damage_is_detected_and_named(pristine: Path, tmp_path: Path, name: str,
     out = capsys.readouterr()
     assert expected in out.err + out.out
     # load, everything verified before anything is read: an error naming the file, the model untouched
-    target, model = _checkpointer(seed=1)
+    target, model = small_checkpointer(seed=1)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(CheckpointError) as info:
         target.load(ckpt, LoadOptions(objects=["iteration"], verify_while_reading=False))
@@ -88,10 +76,10 @@ def test_damage_is_detected_and_named(pristine: Path, tmp_path: Path, name: str,
 def test_pristine_checkpoint_verifies_and_loads(pristine: Path) -> None:
     report = verify_checkpoint(pristine)
     assert report.ok and report.iteration == 3 and report.num_files == 2
-    target, model = _checkpointer(seed=1)
+    target, model = small_checkpointer(seed=1)
     result = target.load(pristine, LoadOptions(objects=["iteration"]))
     assert result.objects == {"iteration": 3}
-    source, saved = _checkpointer(seed=0)
+    source, saved = small_checkpointer(seed=0)
     assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), model.parameters()))
 
 
@@ -121,7 +109,7 @@ def test_crafted_metadata_is_refused_by_verify_and_load(pristine: Path, tmp_path
     (ckpt / "metadata.json").write_text(json.dumps(manifest))
     assert verify_main([str(ckpt)]) != 0
     assert "pathlib" in capsys.readouterr().err
-    target, _ = _checkpointer(seed=1)
+    target, _ = small_checkpointer(seed=1)
     with pytest.raises(UnsafeCheckpointError, match="pathlib"):
         target.load(ckpt, LoadOptions())
     assert not marker.exists()
@@ -138,7 +126,7 @@ def test_a_data_file_gone_while_it_is_verified_is_reported(pristine: Path, monke
         raise FileNotFoundError(2, "No such file or directory", str(Path(root) / rels[0]))
 
     monkeypatch.setattr(api, "verify_checksums", vanished)
-    target, _ = _checkpointer(seed=1)
+    target, _ = small_checkpointer(seed=1)
     with pytest.raises(CheckpointError) as info:
         target.load(ckpt, LoadOptions(objects=["iteration"]))
     assert f"{ckpt / '__0_0.distcp'}: cannot be read to verify" in str(info.value)

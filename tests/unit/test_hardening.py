@@ -25,11 +25,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 
-from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
+from peftckpt.checkpoint.api import LoadOptions, SaveOptions
 from peftckpt.checkpoint.checksums import checksum_files
 from peftckpt.checkpoint.errors import CheckpointError, CheckpointFormatError, UnsafeCheckpointError
 from peftckpt.checkpoint.inspect import inspect_path
@@ -44,26 +43,16 @@ from peftckpt.checkpoint.storage_layout import (
     read_tracker,
 )
 from peftckpt.checkpoint.verify import verify_checkpoint
+from tests.unit.small_model import small_checkpointer
 
-LAYOUT = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}
-COORDS = {"tp": 0, "pp": 0, "dp": 0}
 KEY = "model.0.weight"
 SMALL_KEY = "model.1.bias"
-
-
-def _checkpointer(seed: int = 0) -> tuple[Checkpointer, nn.Module]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(4, 64)).sum().backward()
-    opt.step()
-    return Checkpointer([model], opt, layout=LAYOUT, coords=COORDS, model_config={"width": 64}), model
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save = tmp_path_factory.mktemp("pristine")
-    ckpt, _ = _checkpointer()
+    ckpt, _ = small_checkpointer()
     ckpt.save(save, 3, {"iteration": 3})
     ckpt.close()
     return save / "iter_0000003"
@@ -108,7 +97,7 @@ def _refused_everywhere(ckpt: Path, expected: str, tmp_path: Path) -> None:
     for verify in (True, False):
         with pytest.raises(CheckpointError, match=expected):
             open_checkpoint(ckpt, verify_checksums=verify).model_tensors()
-        target, model = _checkpointer(seed=1)
+        target, model = small_checkpointer(seed=1)
         before = [p.detach().clone() for p in model.parameters()]
         with pytest.raises(CheckpointError, match=expected):
             target.load(ckpt, LoadOptions(objects=["iteration"], verify_checksums=verify))
@@ -154,7 +143,7 @@ def test_symlinked_and_special_files_are_refused_without_blocking(ckpt: Path, tm
     assert not worker.is_alive(), "verify blocked on a FIFO"
     assert any("not a regular file" in p for p in done[0]), done
     with pytest.raises(CheckpointError, match="not a regular file"):
-        _checkpointer(seed=1)[0].load(ckpt, LoadOptions(verify_checksums=False))
+        small_checkpointer(seed=1)[0].load(ckpt, LoadOptions(verify_checksums=False))
 
 
 @pytest.mark.parametrize("name", ["", ".", "sub", "a//b"])
@@ -169,7 +158,7 @@ def test_manifest_file_names_that_are_not_files_are_one_message(ckpt: Path, tmp_
             verify_checkpoint(ckpt)
         assert any(expected in r for r in inspect_path(ckpt).reasons)
         with pytest.raises(CheckpointFormatError, match=expected):
-            _checkpointer(seed=1)[0].load(ckpt)
+            small_checkpointer(seed=1)[0].load(ckpt)
 
 
 def test_dangling_symlinks_are_reported_not_raised(ckpt: Path) -> None:
@@ -249,8 +238,8 @@ def test_commit_refuses_a_save_whose_data_another_save_deleted(tmp_path: Path) -
     while it was being written; the first then committed a checkpoint without data. (Two runs are kept apart
     by the run lock; two checkpointers of one process share it, so the commit's own check is what stops this.)"""
     save = tmp_path / "save"
-    first, _ = _checkpointer()
-    second, _ = _checkpointer(seed=1)
+    first, _ = small_checkpointer()
+    second, _ = small_checkpointer(seed=1)
     first.save(save, 1)
     first.save(save, 2, options=SaveOptions(async_save=True))  # in flight: its staging directory exists
     pending = first._pending
@@ -293,7 +282,7 @@ def test_metadata_bombs_stay_small(ckpt: Path, tmp_path: Path, bomb: str) -> Non
         assert any(expected in p for p in problems), problems
         assert inspect_path(ckpt).exit_code == 1
         with pytest.raises(CheckpointError, match=expected):
-            _checkpointer(seed=1)[0].load(ckpt, LoadOptions(verify_checksums=False))
+            small_checkpointer(seed=1)[0].load(ckpt, LoadOptions(verify_checksums=False))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -310,7 +299,7 @@ class _RunsCode:
 
 def test_refused_data_item_is_one_message_in_load_and_export(tmp_path: Path) -> None:
     """A tensor item of a data file replaced by a pickle that would run code: refused by name, nothing runs."""
-    ckpt_obj, _ = _checkpointer()
+    ckpt_obj, _ = small_checkpointer()
     save = tmp_path / "save"
     ckpt_obj.save(save, 1)
     ckpt = save / "iter_0000001"
@@ -330,7 +319,7 @@ def test_refused_data_item_is_one_message_in_load_and_export(tmp_path: Path) -> 
     with pytest.raises(UnsafeCheckpointError, match=expected):
         open_checkpoint(ckpt).model_tensors()
     with pytest.raises(UnsafeCheckpointError, match=expected):
-        _checkpointer(seed=1)[0].load(ckpt)
+        small_checkpointer(seed=1)[0].load(ckpt)
     assert not marker.exists()
 
 
@@ -338,7 +327,7 @@ def test_refused_data_item_is_one_message_in_load_and_export(tmp_path: Path) -> 
 @pytest.mark.parametrize("content", ["٤\n", b"\xff\xfe3", "3 4", "DIR"])
 def test_garbled_trackers_are_messages(tmp_path: Path, content: str | bytes) -> None:
     save = tmp_path / "save"
-    _checkpointer()[0].save(save, 3)
+    small_checkpointer()[0].save(save, 3)
     tracker = save / TRACKER_FILENAME
     tracker.unlink()
     if content == "DIR":
@@ -363,7 +352,7 @@ def test_commit_failure_says_what_is_committed(tmp_path: Path, monkeypatch: pyte
     import peftckpt.checkpoint.storage_layout as layout
 
     save = tmp_path / "save"
-    ckpt, _ = _checkpointer()
+    ckpt, _ = small_checkpointer()
     ckpt.save(save, 1)
 
     def no_tracker(*_: object) -> None:
@@ -385,7 +374,7 @@ def test_commit_failure_says_what_is_committed(tmp_path: Path, monkeypatch: pyte
 
 def test_retention_never_deletes_the_checkpoint_just_committed(tmp_path: Path) -> None:
     save = tmp_path / "save"
-    ckpt, _ = _checkpointer()
+    ckpt, _ = small_checkpointer()
     for it in (10, 20):
         ckpt.save(save, it)
     path = ckpt.save(save, 3, options=SaveOptions(keep_last_k=2))  # another run's higher iterations exist
@@ -410,7 +399,7 @@ def test_run_lock_refuses_a_second_process_and_frees_on_exit(tmp_path: Path) -> 
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        ckpt, _ = _checkpointer()
+        ckpt, _ = small_checkpointer()
         with pytest.raises(CheckpointError, match=f"in use by another run .*pid {holder.pid}"):
             ckpt.save(save, 1)
         assert list_committed(save) == [] and not list(save.glob(".staging.*"))

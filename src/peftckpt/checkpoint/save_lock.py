@@ -41,6 +41,8 @@ class _Held:
     fd: int | None
     """The locked descriptor (``None`` where the file system has no ``flock``)."""
     count: int
+    created: bool = False
+    """The directory did not exist before this process locked it."""
 
 
 # Process-wide by necessity (see the module docstring): one flock per directory and process.
@@ -60,7 +62,9 @@ class SaveDirLock:
         return Path(self._key)
 
     def release(self) -> None:
-        """Drop this reference; the lock itself is released with the last one (idempotent)."""
+        """Drop this reference; the lock itself is released with the last one (idempotent). A directory that
+        holds nothing but the lock file then (the run saved nothing, e.g. it was refused at start) is left as
+        it was found: the lock file is removed, and the directory too if this process created it."""
         key, self._key = self._key, None
         if key is None:
             return
@@ -69,6 +73,13 @@ class SaveDirLock:
             held.count -= 1
             if held.count == 0:
                 del _HELD[key]
+                try:
+                    if held.fd is not None and os.listdir(key) == [LOCK_FILENAME]:
+                        os.unlink(os.path.join(key, LOCK_FILENAME))  # still locked: nobody can be holding it
+                        if held.created:
+                            os.rmdir(key)
+                except OSError:
+                    pass  # something appeared meanwhile: leave it all
                 if held.fd is not None:
                     os.close(held.fd)  # closing the descriptor releases the flock
 
@@ -95,6 +106,7 @@ def acquire_save_lock(save_dir: str | os.PathLike[str]) -> SaveDirLock:
         OSError: the directory cannot be created or the lock file cannot be opened (e.g. read-only).
     """
     save = Path(save_dir).absolute()
+    created = not save.exists()
     save.mkdir(parents=True, exist_ok=True)
     key = os.path.realpath(save)
     with _HELD_GUARD:
@@ -122,5 +134,5 @@ def acquire_save_lock(save_dir: str | os.PathLike[str]) -> SaveDirLock:
         started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {started}\n".encode(), 0)
-        _HELD[key] = _Held(fd, 1)
+        _HELD[key] = _Held(fd, 1, created)
         return SaveDirLock(key)

@@ -104,14 +104,19 @@ def load_base(ckpt: Checkpointer, path: str, options: LoadOptions) -> str:
 
 
 def _save_dir_problem(flag: str, value: str) -> str | None:
-    """Why ``value`` cannot be a save directory (created here if missing), or ``None``."""
+    """Why ``value`` cannot become a save directory, or ``None``: it is a writable directory, or its nearest
+    existing ancestor is one (the run lock creates it). Nothing is left behind by the check."""
     path = Path(value)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".peftckpt-write-test."):
-            pass
-    except FileExistsError:
+    if path.exists() and not path.is_dir():
         return f"{flag} {value} is a file, not a directory"
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{flag} {value} is not a writable directory ({probe} is a file)"
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".peftckpt-write-test."):
+            pass
     except OSError as e:
         return f"{flag} {value} is not a writable directory ({e.strerror or e})"
     return None
@@ -130,9 +135,10 @@ def _read_dir_problem(flag: str, value: str, must_exist: bool) -> str | None:
 
 
 def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock | None:
-    """Before any model is built or any iteration runs (collective): every rank checks that ``--save`` (and
-    ``--ckpt-convert-save``) is a writable directory, creating it if missing, and that ``--load`` and
-    ``--pretrained-checkpoint`` are readable; rank 0 then locks the save directory for the run's life.
+    """Before any model is built or any iteration runs (collective): every rank checks that ``--load`` and
+    ``--pretrained-checkpoint`` are readable and that ``--save`` (and ``--ckpt-convert-save``) is, or can be
+    created as, a writable directory; rank 0 then locks the save directory for the run's life (creating it; a
+    run that ends without saving anything leaves no trace of it, see ``SaveDirLock.release``).
 
     Returns the lock (rank 0, with ``--save``), to release when the run ends.
 
@@ -147,7 +153,7 @@ def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock |
         _read_dir_problem("--pretrained-checkpoint", args.pretrained_checkpoint, must_exist=True)
         if args.pretrained_checkpoint else None,
     ) if p is not None]
-    if not problems:  # only then create the save directories: a refused run writes nothing
+    if not problems:
         problems = [p for flag, v in (("--save", args.save), ("--ckpt-convert-save", args.ckpt_convert_save))
                     if v and (p := _save_dir_problem(flag, v)) is not None]
     found = _gather(problems)
