@@ -33,7 +33,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import dir_bytes, evict, machine_info, raw_read, rmtree  # noqa: E402
-
 from peftckpt.interop.safetensors_io import write_safetensors  # noqa: E402
 
 GIB = 2**30
