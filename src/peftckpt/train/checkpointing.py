@@ -163,20 +163,21 @@ def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock |
         where = "" if len(found) == 1 else f" (seen by rank(s) {', '.join(map(str, ranks))})"
         raise ArgumentError("; ".join(lines) + where)
     lock: SaveDirLock | None = None
-    error: str | None = None
+    error: tuple[bool, str] | None = None
     target = args.ckpt_convert_save if args.ckpt_convert_format else args.save
     if rank == 0 and target:
         try:
             lock = acquire_save_lock(target)
-        except (CheckpointError, OSError) as e:
-            error = str(e)
+        except SaveDirInUseError as e:
+            error = (True, str(e))
+        except OSError as e:
+            error = (False, f"cannot lock save directory {target}: {e.strerror or e}")
     errors = [e for e in _gather(error) if e]
     if errors:
-        if lock is not None:
-            lock.release()
-        in_use = SaveDirInUseError(errors[0])
-        in_use.every_rank = True
-        raise in_use
+        in_use, message = errors[0]
+        refused = SaveDirInUseError(message) if in_use else CheckpointError(message)
+        refused.every_rank = True
+        raise refused
     return lock
 
 
