@@ -7,9 +7,10 @@ Steps (each a real command, timed from outside; per-process peak RSS from /proc)
     3. The raw read of the HF files (page cache evicted, 2 readers), the physical limit of a base load.
     4. LoRA r=16 on all seven projections at TP=2 (2 processes, ``--bf16``, seq 16, 2 iterations) with
        ``--pretrained-checkpoint HF_DIR``: peak RSS per rank, launch -> first step, base load time (the
-       trainer's own log) vs the raw read, fingerprint time; an adapter-only save at the end; then a resume
-       (1 more iteration) and ``export-peft``.
+       trainer's own log) vs the raw read, the time the fingerprint (taken while reading) added after the
+       last read; an adapter-only save at the end; then a resume (1 more iteration) and ``export-peft``.
     5. The same run from the imported torch_dist base.
+    6. The fingerprint's CPU rate per version on one core.
 The targets are checked as ratios from this run; nothing here is asserted by the test suite.
 
     python bench/scale_bench.py [--workdir DIR] [--layers N] [--keep] [--output FILE]
@@ -155,7 +156,7 @@ def run(cmd: list[str], log: Path, first_line_of: Path | None = None) -> dict[st
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}:\n{log.read_text()[-3000:]}")
     text = log.read_text()
     found = {k: float(m.group(1)) for k, pat in (("base_load_s", r"loaded base weights from .* in ([\d.]+) s"),
-                                                 ("fingerprint_s", r"base fingerprint computed in ([\d.]+) s"))
+                                                 ("fingerprint_s", r"base fingerprint taken while reading the base; it added ([\d.]+) s"))
              if (m := re.search(pat, text))}
     return {"wall_s": wall, "first_step_s": first, "peak_rss": peaks.workers(), **found}
 
@@ -220,6 +221,7 @@ def main() -> None:
         r[name] = row
         print(f"{name}: {row}", flush=True)
 
+    r["fingerprint_rates"] = fingerprint_rates(cfg)
     r["targets"] = targets(r)
     out = a.output or work / "scale_results.json"
     out.write_text(json.dumps(r, indent=2, default=str))
@@ -228,6 +230,28 @@ def main() -> None:
     if not a.keep:
         for path in [base, *work.glob("lora_*"), *work.glob("peft_*")]:
             rmtree(path)
+
+
+def fingerprint_rates(cfg: dict[str, int]) -> dict[str, float]:
+    """G elements/s of each fingerprint version on one core, over one rank's TP=2 shard of an MLP weight (the
+    fingerprint's CPU cost; a base load overlaps it with reading)."""
+    from peftckpt.checkpoint.fingerprint import FINGERPRINT_VERSION, base_fingerprint
+    from peftckpt.sharding.entries import GlobalTensor, Piece
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        shape = (cfg["intermediate_size"], cfg["hidden_size"])
+        shard = torch.randn(shape[0] // 2, shape[1]).to(torch.bfloat16)
+        entries = {"w": GlobalTensor(shape, shard.dtype, [Piece((0, 0), shard)])}
+        rates = {}
+        for version in (2, FINGERPRINT_VERSION):
+            start = time.perf_counter()
+            base_fingerprint(entries, distributed=False, version=version)
+            rates[f"v{version}"] = shard.numel() / (time.perf_counter() - start) / 1e9
+        return rates
+    finally:
+        torch.set_num_threads(threads)
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -243,9 +267,10 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             ratio = r["raw_read_s"] / row["base_load_s"]
             out.append({"target": f"{name}: base load >= 0.7 x raw read bandwidth", "value": f"{ratio:.2f}",
                         "limit": "0.70", "met": ratio >= 0.7})
-            if "fingerprint_s" in row:
+            if "fingerprint_s" in row:  # taken while reading: the time it added after the last read
                 frac = row["fingerprint_s"] / row["base_load_s"]
-                out.append({"target": f"{name}: fingerprint <= 10% of the base load", "value": f"{frac:.1%}",
+                out.append({"target": f"{name}: fingerprint (time added to the base load) <= 10% of the base load",
+                            "value": f"{frac:.1%}",
                             "limit": "10%", "met": frac <= 0.10})
     peak = max(r["import_hf"]["peak_rss"] or [0])
     out.append({"target": "import-hf peak RSS <= 3 GiB", "value": f"{peak / GIB:.2f} GiB", "limit": "3 GiB",
@@ -266,6 +291,8 @@ def render(r: dict[str, Any]) -> str:
                      f"{', '.join(f'{v / GIB:.2f}' for v in row['peak_rss'])} GiB, adapter checkpoint "
                      f"{row['adapter_bytes'] / 2**20:.1f} MiB; resume {row['resume']['wall_s']:.1f} s; "
                      f"export-peft {row['export_peft']['wall_s']:.1f} s")
+    lines.append("fingerprint on one core: " + ", ".join(f"{v} {x:.2f} G elements/s"
+                                                      for v, x in r.get("fingerprint_rates", {}).items()))
     lines += [f"{'met ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (limit {t['limit']})"
               for t in r["targets"]]
     return "\n".join(lines)

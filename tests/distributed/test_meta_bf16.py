@@ -5,7 +5,8 @@ One spawn of 4 ranks runs every layout in turn (data parallel fills the rest). F
 * the eager build (the reference every rank used to do) and the trainer's meta-device build without a base
   hold, bit for bit, the values of an independent full-tensor reference;
 * the trainer's build with ``--pretrained-checkpoint`` draws no initial value for the frozen base, and after
-  the load gives logits identical to the eager fp32 build of the base;
+  the load gives logits identical to the eager fp32 build of the base; the base fingerprint the load took
+  piece by piece while reading equals one computed afterwards;
 * with ``--bf16`` the logits are within bf16 rounding of those, frozen parameters are bf16, trainable ones and
   the Adam state fp32, training leaves the base untouched; a full save stores each tensor in its own dtype.
 """
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import peftckpt.model.gpt as gpt_module
+from peftckpt.checkpoint.fingerprint import FINGERPRINT_VERSION
 from peftckpt.model.config import LoRAConfig
 from peftckpt.model.gpt import GPTModel
 from peftckpt.model.lora import apply_lora
@@ -121,7 +123,11 @@ def _worker(rank: int, world: int, base: str, save_root: str) -> dict[str, Any]:
                                                       "--train-iters", "0"], world), world, rank)
         finally:
             gpt_module.param_generator = original
-        loaded.run()  # loads the base
+        loading = TrainerCheckpointing(loaded)
+        loading.restore()  # loads the base, and fingerprints it piece by piece as it reads
+        computed_while_reading = loading.ckpt._fingerprints.copy()
+        loading.ckpt._fingerprints.clear()
+        fingerprints_agree = computed_while_reading == {FINGERPRINT_VERSION: loading.ckpt.fingerprint()}
         ref_logits = _logits(eager, meshes, tokens)
         fp32_logits = _logits(loaded.chunks, loaded.meshes, tokens)
         # 3. --bf16: the same fp32 base, loaded into bf16 frozen parameters; then 2 training steps
@@ -136,7 +142,7 @@ def _worker(rank: int, world: int, base: str, save_root: str) -> dict[str, Any]:
         states = [v for s in bf16.optimizer.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.ndim > 0]
         result = {
-            "bad": bad, "drawn": drawn,
+            "bad": bad, "drawn": drawn, "fingerprints_agree": fingerprints_agree,
             "frozen_dtypes": sorted({str(p.dtype) for _, p in params if not p.requires_grad}),
             "trainable_dtypes": sorted({str(p.dtype) for _, p in params if p.requires_grad}),
             "num_trainable": sum(1 for _, p in params if p.requires_grad),
@@ -167,6 +173,7 @@ def test_meta_build_base_load_and_bf16_at_every_layout(tmp_path: Path) -> None:
         for r in per_rank:
             assert r["bad"] == [], f"{key}: values differ from the reference: {r['bad'][:5]}"
             assert r["drawn"] == [], f"{key}: the base to load was drawn: {r['drawn'][:5]}"
+            assert r["fingerprints_agree"], f"{key}: the fingerprint taken while loading differs from a fresh one"
             assert r["frozen_dtypes"] == ["torch.bfloat16"] and r["trainable_dtypes"] == ["torch.float32"], key
             assert r["num_trainable"] > 0 and r["num_states"] == 2 * r["num_trainable"], key
             assert r["state_dtypes"] == ["torch.float32"], key

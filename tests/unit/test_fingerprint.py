@@ -1,5 +1,6 @@
-"""The base-model fingerprint: bit-exact, layout independent, and (version 2) independent of the dtype a
-base is held in wherever its values are the same (single process)."""
+"""The base-model fingerprint: bit-exact, layout independent, and (versions 2 and 3) independent of the dtype
+a base is held in wherever its values are the same (single process). Versions 1 and 2 are still computed
+to check the checkpoints that recorded them, so their values must never change."""
 
 from __future__ import annotations
 
@@ -9,12 +10,23 @@ import re
 import pytest
 import torch
 
-from peftckpt.checkpoint.fingerprint import base_fingerprint
+from peftckpt.checkpoint import fingerprint as fingerprint_module
+from peftckpt.checkpoint.fingerprint import Fingerprinting, base_fingerprint
 from peftckpt.sharding.entries import GlobalTensor, Piece, global_tensor_of
+
+VERSION = 3
 
 
 def _fp(entries: dict[str, GlobalTensor]) -> str:
-    return base_fingerprint(entries, distributed=False)
+    return base_fingerprint(entries, distributed=False, version=VERSION)
+
+
+@pytest.fixture(params=[2, 3], autouse=True)
+def version(request: pytest.FixtureRequest) -> int:
+    """Every test runs with the current version and with version 2 (which old checkpoints recorded)."""
+    global VERSION
+    VERSION = request.param
+    return request.param
 
 
 def _whole(t: torch.Tensor) -> GlobalTensor:
@@ -42,9 +54,9 @@ def weight() -> torch.Tensor:
     return torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
 
 
-def test_format_and_stability(weight: torch.Tensor) -> None:
+def test_format_and_stability(weight: torch.Tensor, version: int) -> None:
     fp = _fp({"model.w": _whole(weight)})
-    assert re.fullmatch(r"v2:sha256:[0-9a-f]{64}", fp)
+    assert re.fullmatch(rf"v{version}:sha256:[0-9a-f]{{64}}", fp)
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", base_fingerprint({"model.w": _whole(weight)}, False, version=1))
     assert _fp({"model.w": _whole(weight)}) == fp
     assert _fp({"model.w": _whole(weight.clone())}) == fp  # depends on values, not on storage
@@ -110,12 +122,12 @@ def test_flags_that_are_not_values_do_not_matter(weight: torch.Tensor) -> None:
     assert _fp({"model.w": global_tensor_of(torch.nn.Parameter(weight.clone()))}) == base  # requires_grad
 
 
-def test_bf16() -> None:
+def test_bf16(version: int) -> None:
     t = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     base = _fp({"w": _whole(t)})
     assert _fp({"w": _rows(t, [0, 3, 6])}) == base
     assert _fp({"w": _fused_tp(t, tp=3)}) == base
-    assert _fp({"w": _whole(t.float())}) == base  # same values, other dtype: the same base (version 2)
+    assert _fp({"w": _whole(t.float())}) == base  # same values, other dtype: the same base (versions 2, 3)
     assert base_fingerprint({"w": _whole(t.float())}, False, 1) != base_fingerprint({"w": _whole(t)}, False, 1)
     nudged = t.clone()
     nudged[4, 2] = torch.nextafter(nudged[4, 2], torch.tensor(float("inf"), dtype=torch.bfloat16))
@@ -156,3 +168,63 @@ def test_v2_is_the_same_for_a_bf16_base_held_in_fp32_and_v1_is_not(weight: torch
     assert _fp({"model.w": _whole(upcast)}) != _fp({"model.w": _whole(weight)})  # rounding is a different base
     integers = torch.arange(12, dtype=torch.int16).reshape(3, 4)
     assert _fp({"model.i": _whole(integers)}) != _fp({"model.i": _whole(integers.int())})  # not floats: dtype kept
+
+
+def _old_entries() -> dict[str, GlobalTensor]:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(6, 5, generator=g)
+    return {"model.w": GlobalTensor(w.shape, w.dtype, [Piece((0, 0), w[:2]), Piece((2, 0), w[2:])]),
+            "model.b": GlobalTensor((7,), torch.bfloat16, [Piece((0,), torch.randn(7, generator=g).bfloat16())]),
+            "model.i": GlobalTensor((3,), torch.int64, [Piece((0,), torch.tensor([1, -2, 3]))])}
+
+
+def test_old_versions_keep_their_values() -> None:
+    """The values the version 1 and 2 code computed before version 3 existed (release of 2026-12-03): a
+    checkpoint that recorded one must still verify."""
+    assert base_fingerprint(_old_entries(), False, 1) == \
+        "sha256:968618d606d190c3954f7deeb10e43b3a5426742787ad1d18a43835848fee0a9"
+    assert base_fingerprint(_old_entries(), False, 2) == \
+        "v2:sha256:70a6e9ac089ef89b70cc1cd3c8ad4f30c427b814df4290299b29e98a56e28701"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])
+def test_v3_long_and_unaligned_runs(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs longer than one summed row, rows whose phase in the periodic weights differs (a row length that
+    the period does not divide), and tiles of many rows: every split equals the whole tensor."""
+    monkeypatch.setattr(fingerprint_module, "_RUN", 64)  # long runs at a small size
+    monkeypatch.setattr(fingerprint_module, "_TILE_V3", 256)
+    monkeypatch.setattr(fingerprint_module, "_PERIOD", 7)
+    monkeypatch.setattr(fingerprint_module, "_R", fingerprint_module._R[:7])
+    t = (torch.randn(40, 37, generator=torch.Generator().manual_seed(5)) * 100).to(dtype)
+    whole = _fp({"w": _whole(t)})
+    assert _fp({"w": _rows(t, [0, 1, 13, 40])}) == whole
+    cols = GlobalTensor(t.shape, t.dtype, [Piece((0, 0), t[:, :10]), Piece((0, 10), t[:, 10:])])
+    assert _fp({"w": cols}) == whole
+    grid = [Piece((a, b), t[a:a + 20, b:b + 19]) for a in (0, 20) for b in (0, 19)]
+    assert _fp({"w": GlobalTensor(t.shape, t.dtype, grid)}) == whole
+    flat = t.reshape(-1)
+    assert _fp({"f": _rows(flat, [0, 100, 1000, flat.numel()])}) == _fp({"f": _whole(flat)})
+    changed = t.clone()
+    changed[39, 36] += 1
+    assert _fp({"w": _whole(changed)}) != whole
+
+
+def test_v3_fp16_and_bf16_values_held_in_fp32() -> None:
+    for narrow in (torch.float16, torch.bfloat16):
+        t = torch.randn(9, 33, generator=torch.Generator().manual_seed(2)).to(narrow)
+        assert base_fingerprint({"w": _whole(t)}, False, 3) == base_fingerprint({"w": _whole(t.float())}, False, 3)
+
+
+def test_pieces_added_as_they_are_read_equal_the_whole(weight: torch.Tensor) -> None:
+    """:class:`Fingerprinting` takes pieces one at a time (as a base load reads them); a piece not added
+    is an error, not a silently different fingerprint."""
+    entries = {"model.w": _rows(weight, [0, 2, 6]), "model.v": _whole(weight[0])}
+    job = Fingerprinting(entries, distributed=False, version=VERSION)
+    for k, e in entries.items():
+        for p in reversed(e.pieces):
+            job.add(k, p.offsets, p.tensor)
+    assert job.result() == _fp(entries)
+    partial = Fingerprinting(entries, distributed=False, version=VERSION)
+    partial.add("model.v", (0,), weight[0])
+    with pytest.raises(RuntimeError, match="model.w .* never added"):
+        partial.result()

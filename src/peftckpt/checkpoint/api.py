@@ -46,7 +46,7 @@ from .errors import (
     unwrap_dcp_error,
 )
 from .faults import fault_point
-from .fingerprint import FINGERPRINT_VERSION, base_fingerprint, fingerprint_version
+from .fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
 from .integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems
 from .manifest import Manifest, read_manifest
 from .planners import EntryLoadPlanner, EntrySavePlanner
@@ -218,6 +218,8 @@ class Checkpointer:
         self.world = dist.get_world_size() if self.distributed else 1
         self._fingerprints: dict[int, str] = {}
         """The fingerprint of the frozen tensors, per version (the base changes only through a load)."""
+        self.base_fingerprint_wait_s: float | None = None
+        """How long the last base load waited for its fingerprint after reading its last piece."""
         self._pending: _PendingCommit | None = None
         self._async_pg: dist.ProcessGroup | None = None
         self._host_buffers: dict[str, GlobalTensor] = {}
@@ -682,6 +684,8 @@ class Checkpointer:
         same_layout = {k: manifest.layout.get(k) for k in ("tp", "pp", "dp", "vpp")} == {
             k: self.layout.get(k) for k in ("tp", "pp", "dp", "vpp")}
         object_keys = [] if model_only else list(options.objects)
+        if not manifest.trainable_only:
+            self._fingerprints.clear()  # a full checkpoint replaces the base too
         if manifest.format == TORCH:
             return legacy.load(self, ckpt, iteration, manifest, request, options, object_keys, same_layout)
         if manifest.format != TORCH_DIST:
@@ -755,12 +759,15 @@ class Checkpointer:
                           "RNG state is re-seeded instead of restored", stacklevel=2)
         return LoadResult(ckpt, iteration, manifest, objects, report, rng_restored=load_rng)
 
-    def _read(self, request: dict[str, Any], reader: SafeFileSystemReader, verification: _Verify) -> None:
+    def _read(self, request: dict[str, Any], reader: SafeFileSystemReader, verification: _Verify,
+              fingerprinting: Fingerprinting | None = None) -> None:
         """``dcp.load`` the request in place, then finish the checksums started by :meth:`_resolve`; a
-        failure on any rank is raised on every rank (a damaged file first: it explains a failed read)."""
+        failure on any rank is raised on every rank (a damaged file first: it explains a failed read).
+        ``fingerprinting`` is handed each piece as soon as it is read."""
         error: BaseException | None = None
         try:
-            dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner())
+            dcp.load(request, storage_reader=reader,
+                     planner=EntryLoadPlanner(None if fingerprinting is None else fingerprinting.add))
         except BaseException as e:  # noqa: BLE001 - reported collectively
             error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
         if verification.future is not None:
@@ -795,19 +802,35 @@ class Checkpointer:
                 + (f"{source} holds tensors of other shapes than this model's:\n" + "\n".join(wrong[:10])
                    if wrong else ""))
         self._agree(error)
-        try:
-            with torch.no_grad():
-                for key, entry in request.items():
-                    if key in shapes:
-                        for piece in entry.pieces:
-                            piece.tensor.copy_(read(key, piece.offsets, piece.tensor.shape))
-        except CheckpointError as e:
-            error = e
-        except (OSError, ValueError) as e:  # an unreadable or damaged source file: the source names it
-            error = CheckpointIntegrityError(f"{source} cannot be read: {e}")
-        self._agree(error)
-        self._fingerprints.clear()  # the base changed
+        with self._fingerprinting_base(request) as fingerprinting:
+            try:
+                with torch.no_grad():
+                    for key, entry in request.items():
+                        if key in shapes:
+                            for piece in entry.pieces:
+                                piece.tensor.copy_(read(key, piece.offsets, piece.tensor.shape))
+                                fingerprinting.add(key, piece.offsets, piece.tensor)
+            except CheckpointError as e:
+                error = e
+            except (OSError, ValueError) as e:  # an unreadable or damaged source file: the source names it
+                error = CheckpointIntegrityError(f"{source} cannot be read: {e}")
+            self._agree(error)
         return absent
+
+    @contextlib.contextmanager
+    def _fingerprinting_base(self, request: Mapping[str, Any]) -> Iterator[Fingerprinting]:
+        """The fingerprint of the base a load is writing into the model, fed piece by piece as the load reads
+        them (hashing overlaps the reading), and cached once the load succeeded (collective)."""
+        self._fingerprints.clear()  # the base changes
+        fingerprinting = Fingerprinting({k: v for k, v in request.items() if isinstance(v, GlobalTensor)
+                                         and not v.requires_grad}, self.distributed)
+        try:
+            yield fingerprinting
+        except BaseException:
+            fingerprinting.close()
+            raise
+        self._fingerprints[FINGERPRINT_VERSION] = fingerprinting.result()
+        self.base_fingerprint_wait_s = fingerprinting.wait_s
 
     def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
         """Load the base weights (model sections only) from a full checkpoint.
@@ -840,6 +863,6 @@ class Checkpointer:
         self._agree(error)
         for k in absent:
             request.pop(k)
-        self._read(request, reader, verification)
-        self._fingerprints.clear()  # the base changed
+        with self._fingerprinting_base(request) as fingerprinting:
+            self._read(request, reader, verification, fingerprinting)
         return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))

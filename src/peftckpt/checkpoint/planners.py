@@ -6,12 +6,14 @@ look inside our entries. Everything else (planning, dedup of replicated pieces, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem
 
 from ..sharding.entries import GlobalTensor, LazyGlobalTensor
 
@@ -49,8 +51,12 @@ class EntrySavePlanner(DefaultSavePlanner):
 
 
 class EntryLoadPlanner(DefaultLoadPlanner):
-    def __init__(self) -> None:
+    def __init__(self, on_piece: Callable[[str, tuple[int, ...], torch.Tensor], None] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._on_piece = on_piece
+        """Called with ``(key, offsets, tensor)`` as each piece of an entry has received all its values."""
+        self._unread: dict[tuple[str, tuple[int, ...]], int] = {}
+        """Elements each piece still waits for (a piece may be read from several stored chunks)."""
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
@@ -66,3 +72,15 @@ class EntryLoadPlanner(DefaultLoadPlanner):
         if isinstance(obj, GlobalTensor):
             return obj.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        index = read_item.dest_index
+        if self._on_piece is None or not isinstance(self.state_dict.get(index.fqn), GlobalTensor):
+            return
+        key = (index.fqn, tuple(index.offset or ()))
+        piece = self.lookup_tensor(index)
+        left = self._unread.get(key, piece.numel()) - math.prod(read_item.lengths)
+        self._unread[key] = left
+        if left == 0:
+            self._on_piece(index.fqn, key[1], piece)

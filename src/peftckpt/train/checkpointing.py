@@ -219,10 +219,9 @@ class TrainerCheckpointing:
             where = load_base(self.ckpt, a.pretrained_checkpoint, self._load_options(model_only=True))
             t.logger.info(f"loaded base weights from {where} in {time.perf_counter() - start:.2f} s (trainable "
                           "tensors it does not hold, such as adapters, keep their initialisation)")
-            if a.save_trainable_params_only:  # computed once per run: now, so its cost shows at start-up
-                start = time.perf_counter()
-                self.ckpt.fingerprint()
-                t.logger.info(f"base fingerprint computed in {time.perf_counter() - start:.2f} s")
+            if self.ckpt.base_fingerprint_wait_s is not None:
+                t.logger.info(f"base fingerprint taken while reading the base; it added "
+                              f"{self.ckpt.base_fingerprint_wait_s:.2f} s after the last read")
         if not a.load:
             return
         try:
