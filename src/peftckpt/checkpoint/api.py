@@ -14,7 +14,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..sharding.entries import GlobalTensor, LazyGlobalTensor
 from . import legacy
@@ -35,6 +36,7 @@ from .checksums import (
     verify_checksums,
     verify_files,
 )
+from .collectives import Collectives
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -49,6 +51,7 @@ from .faults import fault_point
 from .fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
 from .integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems
 from .manifest import Manifest, read_manifest
+from .parallel_layout import parallel_layout
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import SafeFileSystemReader, load_dcp_metadata
 from .save_lock import SaveDirLock, acquire_save_lock
@@ -59,6 +62,7 @@ from .sections import (
     OPTIMIZER,
     PARAM_GROUPS,
     RNG_STATE,
+    STATES,
     apply_param_groups,
     dcp_key,
     merge_param_groups,
@@ -67,6 +71,7 @@ from .sections import (
     optimizer_entries,
     restore_rng,
     rng_entry,
+    state_key,
     tensor_records,
 )
 from .storage_layout import (
@@ -80,7 +85,7 @@ from .storage_layout import (
 from .strictness import KeyReport, StrictHandling, check_keys
 from .trainable import TORCH, TORCH_DIST, filter_trainable
 
-__all__ = ["Checkpointer", "SaveOptions", "LoadOptions", "LoadResult"]
+__all__ = ["Checkpointer", "SaveOptions", "LoadOptions", "LoadResult", "PendingSave"]
 
 
 @dataclass
@@ -146,6 +151,37 @@ class _PendingCommit:
     future: Future[Any] | None = None
     checksums: ChecksummingFileSystem | None = None
     """Digests of the DCP files, taken while they were written."""
+    committed: bool = False
+    error: BaseException | None = None
+    """Why the save failed (an async save's handle raises it again)."""
+
+
+class PendingSave:
+    """An async save (:meth:`Checkpointer.async_save`): training goes on while it is written.
+
+    :meth:`result` waits for it, commits it (collective, like every checkpointer call: every rank calls it)
+    and returns the committed directory, or raises why it failed. The next save or load, :meth:`Checkpointer.wait`,
+    :meth:`Checkpointer.poll` and :meth:`Checkpointer.close` commit it too; :meth:`result` then answers at once.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, commit: _PendingCommit):
+        self._checkpointer = checkpointer
+        self._commit = commit
+        self.path = commit.save / f"iter_{commit.iteration:07d}"
+        """Where it is committed (it does not exist before)."""
+
+    def done(self) -> bool:
+        """Committed or failed (this rank's view; no collective)."""
+        return self._commit.committed or self._commit.error is not None
+
+    def result(self) -> Path:
+        if not self.done() and self._checkpointer._pending is self._commit:
+            self._checkpointer.wait()
+        if self._commit.error is not None:
+            raise self._commit.error
+        if not self._commit.committed:
+            raise CheckpointError(f"the async save of iteration {self._commit.iteration} was never committed")
+        return self.path
 
 
 @contextlib.contextmanager
@@ -197,87 +233,76 @@ def _commit_outcome(c: _PendingCommit, reached: Sequence[str]) -> str:
 
 
 class Checkpointer:
-    """Checkpoints of this rank's model ``chunks`` (one per virtual pipeline stage) and ``optimizer``.
+    """Checkpoints of this rank's model ``chunks`` (one module, or one per virtual pipeline stage), its
+    ``optimizer`` and any ``states`` (objects with ``state_dict``/``load_state_dict``: an LR scheduler, a
+    data loader, ...; saved with every checkpoint and restored in place by every full load).
 
-    ``layout`` (``tp``, ``pp``, ``dp``, ``vpp``) and ``coords`` (this rank's ``tp``/``pp``/``dp`` ranks) are
-    recorded in the manifest and decide whether per-rank RNG state can be restored. All methods are
-    collective when ``torch.distributed`` is initialised.
+    The parallel layout is recorded in the manifest and decides whether per-rank RNG state can be restored.
+    It comes from ``mesh``, a :class:`~torch.distributed.device_mesh.DeviceMesh` whose dimensions are named
+    ``tp``, ``pp`` and ``dp`` (``dp_replicate``/``dp_shard`` count as ``dp``; absent ones are 1), or without
+    one, every rank of the group is a data-parallel replica. ``layout`` (``tp``, ``pp``, ``dp``, ``vpp``) and
+    ``coords`` (this rank's ``tp``/``pp``/``dp`` ranks) may instead be given as dicts.
+
+    All methods are collective over ``process_group`` (default: every rank) when ``torch.distributed`` is
+    initialised. ``model_config`` (optional) is recorded and checked against a checkpoint on load;
+    ``adapter_config`` is recorded for the exports.
     """
 
-    def __init__(self, chunks: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None, *,
-                 layout: Mapping[str, int], coords: Mapping[str, int], model_config: Mapping[str, Any],
-                 adapter_config: Mapping[str, Any] | None = None):
-        self.chunks = list(chunks)
+    def __init__(self, model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer | None = None, *,
+                 mesh: DeviceMesh | None = None, process_group: dist.ProcessGroup | None = None,
+                 states: Mapping[str, Any] | None = None, model_config: Mapping[str, Any] | None = None,
+                 adapter_config: Mapping[str, Any] | None = None, layout: Mapping[str, int] | None = None,
+                 coords: Mapping[str, int] | None = None):
+        self.chunks = [model] if isinstance(model, nn.Module) else list(model)
         self.optimizer = optimizer
-        self.layout = dict(layout)
-        self.coords = dict(coords)
-        self.model_config = dict(model_config)
+        self.comm = Collectives(process_group)
+        self.distributed, self.rank, self.world = self.comm.distributed, self.comm.rank, self.comm.world
+        self.layout, self.coords = parallel_layout(self.comm, len(self.chunks), mesh, layout, coords)
+        self.states = dict(states or {})
+        for name, obj in self.states.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"states[{name!r}] ({type(obj).__name__}) has no state_dict/load_state_dict")
+        self.model_config = dict(model_config or {})
         self.adapter_config = None if adapter_config is None else dict(adapter_config)
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world = dist.get_world_size() if self.distributed else 1
         self._fingerprints: dict[int, str] = {}
-        """The fingerprint of the frozen tensors, per version (the base changes only through a load)."""
+        """The fingerprint of the frozen parameters, per version (the base changes only through a load)."""
         self.base_fingerprint_wait_s: float | None = None
         """How long the last base load waited for its fingerprint after reading its last piece."""
         self._pending: _PendingCommit | None = None
+        self._last: _PendingCommit | None = None
+        """The latest save (its handle's state)."""
         self._async_pg: dist.ProcessGroup | None = None
         self._host_buffers: dict[str, GlobalTensor] = {}
         """Host copies of the last async save's mutable tensors, reused by the next one."""
         self._locks: dict[Path, SaveDirLock] = {}
         """Save directories this checkpointer locked (rank 0 only), held until :meth:`close`."""
 
-    # -------------------------------------------------------------------------------- collectives
-    def _gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+    def __enter__(self) -> Checkpointer:
+        return self
 
-    def _agree(self, error: BaseException | None, context: str | None = None, outcome: str | None = None) -> None:
-        """Raise on every rank if any rank failed (never leaves a rank waiting in a collective).
-
-        With ``context`` (a save step), any failure becomes a :class:`CheckpointError` that says what the
-        failure left committed: the failing rank's ``outcome``, by default that nothing was; otherwise this
-        rank's own error is re-raised."""
-        reports = self._gather(None if error is None else (f"{type(error).__name__}: {error}", outcome))
-        failed = [(r, e) for r, e in enumerate(reports) if e is not None]
-        if not failed:
-            return
-        rank, (message, said) = failed[0]
-        if context is not None:
-            said = said or "nothing was committed: the previously committed checkpoint and the tracker are unchanged"
-            agreed = CheckpointError(f"{context} (rank {rank}: {message}); {said}")
-            agreed.every_rank = True
-            raise agreed from error
-        if error is not None:
-            raise error
-        raise CheckpointError(f"rank {rank} failed: {message}")
-
-    def _barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ----------------------------------------------------------------------------------- content
     def model_sections(self) -> dict[str, dict[str, Any]]:
         return {name: model_entries(c) for name, c in zip(model_section_names(len(self.chunks)), self.chunks)}
 
     def fingerprint(self, keys: Sequence[str] | None = None, version: int = FINGERPRINT_VERSION) -> str:
-        """Layout-independent fingerprint of the frozen model tensors (or of the model tensors named by
+        """Layout-independent fingerprint of the frozen model parameters (or of the model tensors named by
         ``keys``: what a checkpoint recorded as its base), as ``version`` computes it (a checkpoint is checked
         with the version it recorded). The default set is computed once per version, then cached."""
         if keys is None and version in self._fingerprints:
             return self._fingerprints[version]
         tensors = {dcp_key(s, k): v for s, sec in self.model_sections().items() for k, v in sec.items()
                    if isinstance(v, GlobalTensor)}
-        frozen_now = {k for k, v in tensors.items() if not v.requires_grad}
+        frozen_now = {k for k, v in tensors.items() if v.frozen}
         if keys is not None and set(keys) == frozen_now:
             keys = None  # the same set as the default: share the cached value (computed at most once per run)
             if version in self._fingerprints:
                 return self._fingerprints[version]
         wanted = frozen_now if keys is None else set(keys)
-        value = base_fingerprint({k: v for k, v in tensors.items() if k in wanted}, self.distributed, version)
+        value = base_fingerprint({k: v for k, v in tensors.items() if k in wanted}, self.distributed, version,
+                                 self.comm.group)
         if keys is None:
             self._fingerprints[version] = value
         return value
@@ -327,6 +352,15 @@ class Checkpointer:
         save = Path(save_dir).absolute()
         self.wait()  # at most one save in flight; an earlier async failure surfaces here
         # 1.
+        clash = sorted(set(objects or {}) & set(self.states))
+        if clash:
+            raise ValueError(f"objects {clash} have the names of the checkpointer's states")
+        if self.states and options.ckpt_format != TORCH_DIST:
+            raise CheckpointFormatError(f"the checkpointer's states ({', '.join(self.states)}) need "
+                                        f"ckpt_format {TORCH_DIST!r}, not {options.ckpt_format!r}")
+        object_names = list(objects or {}) + [f"{STATES}.{name}" for name in self.states]
+        objects = {**(objects or {}), **{state_key(name, self.rank): obj.state_dict()
+                                         for name, obj in self.states.items()}}
         error: BaseException | None = None
         try:
             flat, kept, excluded = self._state(options.trainable_only, options.ckpt_format,
@@ -334,10 +368,11 @@ class Checkpointer:
             fingerprint = self.fingerprint() if options.trainable_only else None
         except CheckpointError as e:
             error = e
-        self._agree(error)
+        self.comm.agree(error)
         if options.trainable_only:
-            kept_anywhere = any(self._gather(bool(kept)))
-            if not kept_anywhere and self.rank == 0:
+            trainable = any(v.requires_grad for sec in self.model_sections().values() for v in sec.values()
+                            if isinstance(v, GlobalTensor))
+            if not any(self.comm.gather(trainable)) and self.rank == 0:
                 warnings.warn("--save-trainable-params-only: no model parameter is trainable, so the model "
                               "sections of this checkpoint are empty", stacklevel=2)
         # 2.
@@ -350,18 +385,15 @@ class Checkpointer:
                 staging_name = str(new_staging_dir(save, iteration, secrets.token_hex(6)))
             except (CheckpointError, OSError) as e:
                 error = e
-        self._agree(error, f"saving iteration {iteration} to {save} failed")
-        if self.distributed:
-            holder = [staging_name]
-            dist.broadcast_object_list(holder, src=0)
-            staging_name = holder[0]
+        self.comm.agree(error, f"saving iteration {iteration} to {save} failed")
+        staging_name = self.comm.broadcast_from_first(staging_name)
         assert staging_name is not None
         staging = Path(staging_name)
-        self._barrier()
+        self.comm.barrier()
         # 3.
         release: threading.Event | None = None
         commit = _PendingCommit(save=save, staging=staging, iteration=iteration, kept=kept, excluded=excluded,
-                                fingerprint=fingerprint, options=options, object_names=list((objects or {}).keys()),
+                                fingerprint=fingerprint, options=options, object_names=object_names,
                                 args=dict(args or {}))
         try:
             if options.ckpt_format == TORCH_DIST:
@@ -395,7 +427,7 @@ class Checkpointer:
                     error = None
                 else:
                     with _no_zip_crc32():
-                        dcp.save(flat, storage_writer=writer, planner=planner)
+                        dcp.save(flat, storage_writer=writer, planner=planner, process_group=self.comm.group)
             elif options.ckpt_format == TORCH:
                 fault_point("data", self.rank, iteration)
                 legacy.save_rank_file(staging, self.chunks, self.optimizer, self.coords, self.layout, flat,
@@ -407,21 +439,35 @@ class Checkpointer:
             error = unwrap_dcp_error(e)
             self._pending = None
         try:
-            self._agree(error, f"saving iteration {iteration} to {save} failed")
+            self.comm.agree(error, f"saving iteration {iteration} to {save} failed")
         finally:
             if release is not None:
                 release.set()
+        self._last = commit
         if self._pending is None:
             self._commit(commit)
         return save / f"iter_{iteration:07d}"
 
     # ------------------------------------------------------------------------------------- async
+    def async_save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
+                   options: SaveOptions | None = None, args: Mapping[str, Any] | None = None) -> PendingSave:
+        """:meth:`save` in the background: returns once this rank's state is copied to host memory (frozen
+        parameters excepted, see :meth:`_host_copy`). At most one save is in flight: a second one first
+        commits the first. Checkpoints in the legacy format are written at once (the handle is done)."""
+        self.save(save_dir, iteration, objects, replace(options or SaveOptions(), async_save=True), args)
+        assert self._last is not None
+        return PendingSave(self, self._last)
+
     def _async_group(self) -> dist.ProcessGroup | None:
         """A gloo group of its own for the background save, so it never interleaves with training traffic."""
         if not self.distributed:
             return None
         if self._async_pg is None:
-            self._async_pg = dist.new_group(backend="gloo")
+            if self.comm.group is None:
+                self._async_pg = dist.new_group(backend="gloo")
+            else:  # only the group's ranks create it
+                self._async_pg = dist.new_group(dist.get_process_group_ranks(self.comm.group), backend="gloo",
+                                                use_local_synchronization=True)
         return self._async_pg
 
     def _host_copy(self, flat: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
@@ -460,10 +506,7 @@ class Checkpointer:
         """Commit the in-flight async save if every rank finished writing it (collective). True if committed."""
         if self._pending is None:
             return False
-        done = torch.tensor([1 if self._pending.future is not None and self._pending.future.done() else 0])
-        if self.distributed:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
-        if not int(done):
+        if not self.comm.all_true(self._pending.future is not None and self._pending.future.done()):
             return False
         self.wait()
         return True
@@ -479,8 +522,12 @@ class Checkpointer:
             pending.future.result()
         except BaseException as e:  # noqa: BLE001
             error = unwrap_dcp_error(e)
-        self._agree(error, f"async save of iteration {pending.iteration} to {pending.save} failed")
-        self._commit(pending)
+        try:
+            self.comm.agree(error, f"async save of iteration {pending.iteration} to {pending.save} failed")
+            self._commit(pending)
+        except BaseException as e:
+            pending.error = e
+            raise
 
     # ------------------------------------------------------------------------------------ commit
     def _commit(self, c: _PendingCommit) -> None:
@@ -498,8 +545,8 @@ class Checkpointer:
             mine = (checksum(written, c.staging), c.kept, c.excluded)
         except OSError as e:  # e.g. the staging directory vanished: agreed below, never a hang in the gather
             error = e
-        self._agree(error, f"committing iteration {c.iteration} to {c.save} failed")
-        records = self._gather(mine)
+        self.comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed")
+        records = self.comm.gather(mine)
         fault_point("before_manifest", self.rank, c.iteration)
         reached: list[str] = []
         try:
@@ -517,8 +564,9 @@ class Checkpointer:
                     apply_retention(c.save, c.options.keep_last_k, protect=[final])
         except BaseException as e:  # noqa: BLE001
             error = e
-        self._agree(error, f"committing iteration {c.iteration} to {c.save} failed",
-                    outcome=None if error is None else _commit_outcome(c, reached))
+        self.comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed",
+                        outcome=None if error is None else _commit_outcome(c, reached))
+        c.committed = True
 
     def _manifest(self, c: _PendingCommit, records: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]
                   ) -> Manifest:
@@ -570,13 +618,18 @@ class Checkpointer:
             self._locks[save] = acquire_save_lock(save)
 
     def close(self) -> None:
-        """Commit any in-flight async save, then release the save directories' locks."""
+        """Commit any in-flight async save (collective), then release the save directories' locks, the async
+        saves' host buffers and their process group. Also what leaving a ``with Checkpointer(...)`` does."""
         try:
             self.wait()
         finally:
             for held in self._locks.values():
                 held.release()
             self._locks.clear()
+            self._host_buffers = {}
+            if self._async_pg is not None:
+                dist.destroy_process_group(self._async_pg)
+                self._async_pg = None
 
     # -------------------------------------------------------------------------------------- load
     def _resolve(self, path: str | os.PathLike[str], options: LoadOptions) -> tuple[Path, int, Manifest, _Verify]:
@@ -598,7 +651,7 @@ class Checkpointer:
                 problems += dcp_problems(ckpt, manifest)
             except UnsafeCheckpointError as e:
                 error = e
-        self._agree(error)
+        self.comm.agree(error)
         self._raise_if_damaged(pending, problems)
         if options.verify_checksums and later:
             rels = [rel for rel in files_share(manifest, shard) if is_data_file(rel)]
@@ -609,7 +662,7 @@ class Checkpointer:
 
     def _raise_if_damaged(self, v: _Verify, problems: list[str], after_read: bool = False) -> None:
         """Raise :class:`CheckpointIntegrityError` on every rank if any rank found a damaged file."""
-        all_problems = list(dict.fromkeys(p for ps in self._gather(problems) for p in ps))
+        all_problems = list(dict.fromkeys(p for ps in self.comm.gather(problems) for p in ps))
         if all_problems:
             raise CheckpointIntegrityError(
                 f"checkpoint {v.ckpt} is damaged:\n  " + "\n  ".join(all_problems)
@@ -681,25 +734,32 @@ class Checkpointer:
                 warnings.warn(f"checkpoint {ckpt} was saved without optimizer state (--no-save-optim or an "
                               "import): the optimizer starts fresh", stacklevel=2)
         request = self._request(manifest.trainable_only, with_optim)
+        if manifest.trainable_only:  # buffers, which trainable-only saves of earlier releases left out
+            for k in set(manifest.excluded_keys) & set(request):
+                if not request[k].requires_grad:
+                    request.pop(k)
         same_layout = {k: manifest.layout.get(k) for k in ("tp", "pp", "dp", "vpp")} == {
             k: self.layout.get(k) for k in ("tp", "pp", "dp", "vpp")}
         object_keys = [] if model_only else list(options.objects)
         if not manifest.trainable_only:
             self._fingerprints.clear()  # a full checkpoint replaces the base too
         if manifest.format == TORCH:
+            if self.states and not model_only:
+                raise CheckpointFormatError(f"checkpoint {ckpt} is in the legacy {TORCH!r} format, which holds no "
+                                            f"states ({', '.join(self.states)})")
             return legacy.load(self, ckpt, iteration, manifest, request, options, object_keys, same_layout)
         if manifest.format != TORCH_DIST:
             raise CheckpointFormatError(f"{ckpt}: unknown checkpoint format {manifest.format!r}")
         reader = SafeFileSystemReader(ckpt)
         metadata = reader.read_metadata()
-        self._agree(_shape_mismatch(request, metadata, ckpt))
+        self.comm.agree(_shape_mismatch(request, metadata, ckpt))
         saved = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
         hints = {k: ("trainable now but frozen when the checkpoint was saved, so it is not in it: its value must "
                      "come from --pretrained-checkpoint; --dist-ckpt-strictness log_unexpected keeps that value")
                  for k in manifest.excluded_keys}
         all_requested = None
         if options.strictness.needs_missing:
-            all_requested = {k for keys in self._gather(sorted(request)) for k in keys}
+            all_requested = {k for keys in self.comm.gather(sorted(request)) for k in keys}
             saved_scope = {k for k in saved if k.startswith((MODEL + ".", OPTIMIZER + ".")) and
                            (with_optim or not k.startswith(OPTIMIZER + "."))}
         else:
@@ -711,7 +771,7 @@ class Checkpointer:
                                 else saved, self.rank, all_requested, hints, source=f"checkpoint {ckpt}")
         except CheckpointError as e:
             error = e
-        self._agree(error)
+        self.comm.agree(error)
         for k in report.unexpected:
             request.pop(k, None)
         bytes_keys = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
@@ -732,6 +792,8 @@ class Checkpointer:
         load_rng = options.load_rng and not model_only and same_layout and rng_key in bytes_keys
         if load_rng:
             wanted_objects.append(rng_key)
+        state_keys = {} if model_only else self._state_keys(ckpt, bytes_keys)
+        wanted_objects += list(state_keys.values())
         for k in wanted_objects:
             request[k] = None
         # 4.
@@ -751,13 +813,35 @@ class Checkpointer:
                 error = StrictnessError(f"rank {self.rank}: checkpoint {ckpt} lacks the optimizer state of "
                                         f"{len(absent)} parameter(s): {', '.join(absent[:10])}; pass "
                                         "--no-load-optim to start a fresh optimizer")
-            self._agree(error)
+            self.comm.agree(error)
+        for name, key in state_keys.items():
+            self.states[name].load_state_dict(objects.pop(key))
         if load_rng:
             restore_rng(objects.pop(rng_key))
         elif options.load_rng and not model_only and not same_layout and self.rank == 0:
             warnings.warn(f"checkpoint layout {manifest.layout} differs from this run's {self.layout}: "
                           "RNG state is re-seeded instead of restored", stacklevel=2)
         return LoadResult(ckpt, iteration, manifest, objects, report, rng_restored=load_rng)
+
+    def _state_keys(self, ckpt: Path, stored: set[str]) -> dict[str, str]:
+        """The stored key each of :attr:`states` is restored from (collective): this rank's own copy, or rank
+        0's when the checkpoint was saved by fewer ranks (said once). A state the checkpoint lacks is an error."""
+        keys: dict[str, str] = {}
+        absent = []
+        for name in self.states:
+            mine, first = state_key(name, self.rank), state_key(name, 0)
+            if mine in stored or first in stored:
+                keys[name] = mine if mine in stored else first
+            else:
+                absent.append(name)
+        self.comm.agree(CheckpointMismatchError(
+            f"checkpoint {ckpt} holds no state for {', '.join(map(repr, absent))}: it was saved without them "
+            "(another program, or a checkpointer without these states)") if absent else None)
+        borrowed = any(self.comm.gather(any(k != state_key(n, self.rank) for n, k in keys.items())))
+        if borrowed and self.rank == 0:
+            warnings.warn(f"checkpoint {ckpt} was saved by fewer ranks than this job: ranks without their own copy "
+                          "of the checkpointer's states restore rank 0's", stacklevel=3)
+        return keys
 
     def _read(self, request: dict[str, Any], reader: SafeFileSystemReader, verification: _Verify,
               fingerprinting: Fingerprinting | None = None) -> None:
@@ -766,7 +850,7 @@ class Checkpointer:
         ``fingerprinting`` is handed each piece as soon as it is read."""
         error: BaseException | None = None
         try:
-            dcp.load(request, storage_reader=reader,
+            dcp.load(request, storage_reader=reader, process_group=self.comm.group,
                      planner=EntryLoadPlanner(None if fingerprinting is None else fingerprinting.add))
         except BaseException as e:  # noqa: BLE001 - reported collectively
             error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
@@ -776,7 +860,7 @@ class Checkpointer:
             except OSError as e:  # a file gone or unreadable since it was checked: still a collective report
                 problems = [f"{getattr(e, 'filename', None) or verification.ckpt}: cannot be read to verify: {e}"]
             self._raise_if_damaged(verification, problems, after_read=True)
-        self._agree(error)
+        self.comm.agree(error)
 
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
                           read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor]) -> list[str]:
@@ -801,7 +885,7 @@ class Checkpointer:
                  if frozen_absent else "")
                 + (f"{source} holds tensors of other shapes than this model's:\n" + "\n".join(wrong[:10])
                    if wrong else ""))
-        self._agree(error)
+        self.comm.agree(error)
         with self._fingerprinting_base(request) as fingerprinting:
             try:
                 with torch.no_grad():
@@ -814,7 +898,7 @@ class Checkpointer:
                 error = e
             except (OSError, ValueError) as e:  # an unreadable or damaged source file: the source names it
                 error = CheckpointIntegrityError(f"{source} cannot be read: {e}")
-            self._agree(error)
+            self.comm.agree(error)
         return absent
 
     @contextlib.contextmanager
@@ -823,7 +907,7 @@ class Checkpointer:
         them (hashing overlaps the reading), and cached once the load succeeded (collective)."""
         self._fingerprints.clear()  # the base changes
         fingerprinting = Fingerprinting({k: v for k, v in request.items() if isinstance(v, GlobalTensor)
-                                         and not v.requires_grad}, self.distributed)
+                                         and v.frozen}, self.distributed, group=self.comm.group)
         try:
             yield fingerprinting
         except BaseException:
@@ -851,7 +935,7 @@ class Checkpointer:
         reader = SafeFileSystemReader(ckpt)
         metadata = reader.read_metadata()
         request = self._request(False, False)
-        self._agree(_shape_mismatch(request, metadata, ckpt))
+        self.comm.agree(_shape_mismatch(request, metadata, ckpt))
         absent = [k for k in request if k not in metadata.state_dict_metadata]
         frozen_absent = [k for k in absent if not request[k].requires_grad]
         error: BaseException | None = None
@@ -860,7 +944,7 @@ class Checkpointer:
                 f"--pretrained-checkpoint {ckpt} lacks {len(frozen_absent)} frozen base tensor(s): "
                 + ", ".join(sorted(frozen_absent)[:10]) + ("" if len(frozen_absent) <= 10 else ", ...")
             )
-        self._agree(error)
+        self.comm.agree(error)
         for k in absent:
             request.pop(k)
         with self._fingerprinting_base(request) as fingerprinting:

@@ -229,20 +229,23 @@ class Fingerprinting:
     """A fingerprint being computed: :meth:`add` each piece of the given entries once its values are final
     (on any thread; this rank sums the pieces it owns in a thread pool), then :meth:`result`.
 
-    Construction and :meth:`result` are collective when ``distributed``."""
+    Construction and :meth:`result` are collective over ``group`` when ``distributed``."""
 
-    def __init__(self, frozen: dict[str, GlobalTensor], distributed: bool, version: int = FINGERPRINT_VERSION):
+    def __init__(self, frozen: dict[str, GlobalTensor], distributed: bool, version: int = FINGERPRINT_VERSION,
+                 group: dist.ProcessGroup | None = None):
         if version not in _WIDTH:
             raise ValueError(f"unknown fingerprint version {version}")
         self.version = version
         self.distributed = distributed
+        self.group = group
         mine = sorted((k, p.offsets) for k, e in frozen.items() for p in e.pieces if p.tensor.numel())
         if distributed:
-            everyone: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(everyone, mine)
-            rank = dist.get_rank()
-            records: list[dict[str, list[object]]] = [{} for _ in range(dist.get_world_size())]
-            dist.all_gather_object(records, {k: _record(e, version) for k, e in frozen.items()})
+            world = dist.get_world_size(group)
+            everyone: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(world)]
+            dist.all_gather_object(everyone, mine, group=group)
+            rank = dist.get_rank(group)
+            records: list[dict[str, list[object]]] = [{} for _ in range(world)]
+            dist.all_gather_object(records, {k: _record(e, version) for k, e in frozen.items()}, group=group)
         else:
             everyone, rank, records = [mine], 0, [{k: _record(e, version) for k, e in frozen.items()}]
         owner: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -302,7 +305,7 @@ class Fingerprinting:
             if k in self._sums:
                 sums[i] = torch.tensor([x - (1 << 64) if x >= (1 << 63) else x for x in self._sums[k]])
         if self.distributed:
-            dist.all_reduce(sums)
+            dist.all_reduce(sums, group=self.group)
         values = [[x & _U64 for x in row] for row in sums.tolist()]
         width1 = self.version < 3  # versions 1 and 2 recorded one signed sum per tensor
         payload = json.dumps([[k, self._records[k], (row[0] if row[0] < (1 << 63) else row[0] - (1 << 64))
@@ -312,13 +315,14 @@ class Fingerprinting:
         return prefix + "sha256:" + hashlib.sha256(payload).hexdigest()
 
 
-def base_fingerprint(frozen: dict[str, GlobalTensor], distributed: bool, version: int = FINGERPRINT_VERSION) -> str:
+def base_fingerprint(frozen: dict[str, GlobalTensor], distributed: bool, version: int = FINGERPRINT_VERSION,
+                     group: dist.ProcessGroup | None = None) -> str:
     """Layout-independent fingerprint of the given frozen entries (collective when ``distributed``), computed
     as ``version`` defines it (see the module docstring).
 
     Resident pieces are summed together (one thread pool over all of them); pieces of a lazy entry (a meta
     tensor, produced on demand) one at a time, so a base streamed from disk is never held whole."""
-    job = Fingerprinting(frozen, distributed, version)
+    job = Fingerprinting(frozen, distributed, version, group)
     try:
         for k, e in frozen.items():
             for p in e.pieces:

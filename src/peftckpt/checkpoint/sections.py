@@ -18,7 +18,7 @@ from .errors import CheckpointError
 __all__ = [
     "MODEL", "OPTIMIZER", "OPT_PARAM_SCHEDULER", "RNG_STATE", "ITERATION", "DATA", "ARGS", "CHECKPOINT_VERSION",
     "CHECKPOINT_VERSION_VALUE", "PARAM_GROUPS", "merge_param_groups", "apply_param_groups", "model_section_names", "model_entries", "optimizer_entries", "ensure_optimizer_state",
-    "rng_entry", "restore_rng", "dcp_key",
+    "rng_entry", "restore_rng", "dcp_key", "STATES", "state_key",
 ]
 
 MODEL = "model"
@@ -29,6 +29,8 @@ ITERATION = "iteration"
 DATA = "data"
 ARGS = "args"
 CHECKPOINT_VERSION = "checkpoint_version"
+STATES = "states"
+"""Prefix of the checkpointer's states (``states.<name>.<rank>``: each rank saves its own copy)."""
 PARAM_GROUPS = "param_groups"
 CHECKPOINT_VERSION_VALUE = 3.0
 
@@ -36,6 +38,11 @@ CHECKPOINT_VERSION_VALUE = 3.0
 def model_section_names(num_chunks: int) -> list[str]:
     """``["model"]``, or ``["model0", "model1", ...]`` with virtual pipeline chunks."""
     return [MODEL] if num_chunks == 1 else [f"{MODEL}{i}" for i in range(num_chunks)]
+
+
+def state_key(name: str, rank: int) -> str:
+    """The storage key of rank ``rank``'s copy of the state ``name``."""
+    return f"{STATES}.{name}.{rank}"
 
 
 def dcp_key(section: str, name: str) -> str:

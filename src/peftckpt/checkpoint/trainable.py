@@ -1,8 +1,10 @@
-"""``--save-trainable-params-only``: keep the trainable entries of the model sections, nothing else.
+"""``--save-trainable-params-only``: keep what training changes of the model sections, drop the frozen base.
 
-The same filter runs on the save state dict and on the load request, so frozen entries are never
-written nor requested. The optimizer section is never filtered: it only holds state for what the
-optimizer was given.
+Kept: trainable parameters and persistent buffers (running statistics and other state that is not a
+parameter but may change in training: PyTorch DCP's ``ignore_frozen_params`` keeps them too). Dropped:
+frozen parameters. The same filter runs on the save state dict and on the load request, so frozen
+parameters are never written nor requested. The optimizer section is never filtered: it only holds state
+for what the optimizer was given.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ def filter_trainable(section: dict[str, Any], ckpt_format: str) -> tuple[dict[st
     """Split one model section into (kept, excluded frozen tensors).
 
     Kept: tensor entries with ``requires_grad=True`` -- a fused entry is one :class:`GlobalTensor` and
-    goes as a whole with its owning parameter. Dropped: frozen tensors, every ``_extra_state`` entry
-    (no ``requires_grad`` signal; keeping it beside a dropped weight would be inconsistent) and other
-    non-tensor values. Raises for a format that cannot carry the flag (checked where the filter runs,
+    goes as a whole with its owning parameter -- and buffers (tensors that are not parameters). Dropped:
+    frozen parameters, every ``_extra_state`` entry (no ``requires_grad`` signal; keeping it beside a
+    dropped weight would be inconsistent) and other non-tensor values. Raises for a format that cannot carry the flag (checked where the filter runs,
     because the effective format may change after argument parsing).
     """
     check_format_for_trainable_only(ckpt_format)
@@ -44,8 +46,8 @@ def filter_trainable(section: dict[str, Any], ckpt_format: str) -> tuple[dict[st
     for name, entry in section.items():
         if name.endswith(EXTRA_STATE_SUFFIX) or not isinstance(entry, GlobalTensor):
             continue
-        if entry.requires_grad:
-            kept[name] = entry
-        else:
+        if entry.frozen:
             excluded[name] = entry
+        else:
+            kept[name] = entry
     return kept, excluded
