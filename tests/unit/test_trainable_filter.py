@@ -30,22 +30,26 @@ REFUSAL = ("--save-trainable-params-only needs --ckpt-format torch_dist, but thi
 
 
 def _fused(requires_grad: bool) -> GlobalTensor:
-    """A fused ``[gate; up]`` entry: one global [6, 4] tensor held as two pieces."""
+    """A fused ``[gate; up]`` parameter: one global [6, 4] tensor held as two pieces (frozen unless trainable)."""
     full = torch.arange(24.0).reshape(6, 4)
     return GlobalTensor([6, 4], torch.float32, [Piece((0, 0), full[:3]), Piece((3, 0), full[3:])],
-                        requires_grad=requires_grad)
+                        requires_grad=requires_grad, frozen=not requires_grad)
+
+
+def _frozen(*shape: int) -> GlobalTensor:
+    return global_tensor_of(nn.Parameter(torch.ones(*shape), requires_grad=False))
 
 
 # ------------------------------------------------------------------------------------------ filter_trainable
 
-def test_keeps_trainable_and_returns_frozen_as_excluded() -> None:
-    frozen = global_tensor_of(torch.ones(2, 3))
+def test_keeps_trainable_and_buffers_and_returns_frozen_as_excluded() -> None:
+    frozen = _frozen(2, 3)
     trainable = global_tensor_of(nn.Parameter(torch.zeros(3, 2)))
-    overridden = global_tensor_of(nn.Parameter(torch.zeros(2)), requires_grad=False)
-    assert (frozen.requires_grad, trainable.requires_grad, overridden.requires_grad) == (False, True, False)
-    kept, excluded = filter_trainable({"w": frozen, "lora_A": trainable, "moment": overridden}, "torch_dist")
-    assert kept == {"lora_A": trainable}
-    assert excluded == {"w": frozen, "moment": overridden}
+    buffer = global_tensor_of(torch.ones(2))  # e.g. BatchNorm running statistics: training changes it
+    assert (frozen.frozen, trainable.frozen, buffer.frozen) == (True, False, False)
+    kept, excluded = filter_trainable({"w": frozen, "lora_A": trainable, "running_mean": buffer}, "torch_dist")
+    assert kept == {"lora_A": trainable, "running_mean": buffer}
+    assert excluded == {"w": frozen}
     assert kept["lora_A"] is trainable  # the same entry: its pieces still view the live tensor
 
 
@@ -70,7 +74,7 @@ def test_fused_entry_goes_as_a_whole(requires_grad: bool) -> None:
 ])
 def test_extra_state_is_always_dropped(extra: Any) -> None:
     weight = global_tensor_of(nn.Parameter(torch.ones(4, 4)))
-    frozen = global_tensor_of(torch.ones(4))
+    frozen = _frozen(4)
     section = {"linear_qkv.weight": weight, "linear_qkv._extra_state": extra, "linear_qkv.bias": frozen}
     kept, excluded = filter_trainable(section, "torch_dist")
     assert kept == {"linear_qkv.weight": weight}
@@ -87,9 +91,9 @@ def test_non_tensor_values_are_dropped() -> None:
 
 def test_every_model_section_is_filtered_on_its_own() -> None:
     sections = {
-        "model0": {"layers.0.w": global_tensor_of(torch.ones(2)),
+        "model0": {"layers.0.w": _frozen(2),
                    "layers.0.lora": global_tensor_of(nn.Parameter(torch.ones(2)))},
-        "model1": {"layers.1.w": global_tensor_of(torch.ones(3)),
+        "model1": {"layers.1.w": _frozen(3),
                    "layers.1.lora": global_tensor_of(nn.Parameter(torch.ones(3))),
                    "layers.1._extra_state": b"x"},
     }
