@@ -14,7 +14,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..sharding.entries import GlobalTensor, LazyGlobalTensor
-from . import legacy
 from .checksums import (
     ChecksummingFileSystem,
     checksum_files,
@@ -50,7 +49,9 @@ from .errors import (
 from .faults import fault_point
 from .fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
 from .integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems
+from .legacy import load_legacy, rank_file, save_rank_file
 from .manifest import Manifest, read_manifest
+from .options import LoadOptions, LoadResult, SaveOptions
 from .parallel_layout import parallel_layout
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import SafeFileSystemReader, load_dcp_metadata
@@ -82,49 +83,10 @@ from .storage_layout import (
     read_tracker,
     resolve_checkpoint_dir,
 )
-from .strictness import KeyReport, StrictHandling, check_keys
+from .strictness import KeyReport, check_keys
 from .trainable import TORCH, TORCH_DIST, filter_trainable
 
 __all__ = ["Checkpointer", "SaveOptions", "LoadOptions", "LoadResult", "PendingSave"]
-
-
-@dataclass
-class SaveOptions:
-    ckpt_format: str = TORCH_DIST
-    trainable_only: bool = False
-    save_optim: bool = True
-    save_rng: bool = True
-    keep_last_k: int | None = None
-    async_save: bool = False
-    """Write in a background thread after a blocking copy to host memory; committed by :meth:`Checkpointer.poll`,
-    :meth:`Checkpointer.wait` or the next save (at most one save in flight)."""
-
-
-@dataclass
-class LoadOptions:
-    load_optim: bool = True
-    load_rng: bool = True
-    strictness: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED
-    verify_checksums: bool = True
-    verify_while_reading: bool = True
-    """Hash the data files while DCP reads them (the read and the hashing overlap; the file is read from disk
-    once). A damaged file is still reported, naming it, but after the model and optimizer received values
-    from it. False verifies every file before anything is read (e.g. to hot-swap an adapter into a model
-    that must stay intact if the new one is damaged). Presence, sizes and the small files (manifest, DCP
-    metadata) are always checked first."""
-    verify_base: bool = True
-    objects: Sequence[str] = ()
-    """Names of object sections to read back (iteration, opt_param_scheduler, ...)."""
-
-
-@dataclass
-class LoadResult:
-    path: Path
-    iteration: int
-    manifest: Manifest
-    objects: dict[str, Any] = field(default_factory=dict)
-    report: KeyReport = field(default_factory=KeyReport)
-    rng_restored: bool = False
 
 
 @dataclass
@@ -430,7 +392,7 @@ class Checkpointer:
                         dcp.save(flat, storage_writer=writer, planner=planner, process_group=self.comm.group)
             elif options.ckpt_format == TORCH:
                 fault_point("data", self.rank, iteration)
-                legacy.save_rank_file(staging, self.chunks, self.optimizer, self.coords, self.layout, flat,
+                save_rank_file(staging, self.chunks, self.optimizer, self.coords, self.layout, flat,
                                       options.save_optim)
             else:
                 raise CheckpointFormatError(f"--ckpt-format must be torch_dist or torch, got {options.ckpt_format!r}")
@@ -537,7 +499,7 @@ class Checkpointer:
         mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded)
         try:
             if c.options.ckpt_format == TORCH:
-                own = legacy.rank_file(c.staging, self.coords, self.layout)
+                own = rank_file(c.staging, self.coords, self.layout)
                 written = [own] if own.is_file() and self.coords.get("dp", 0) == 0 else []
             else:
                 written = sorted(c.staging.glob(f"__{self.rank}_*"))
@@ -747,7 +709,8 @@ class Checkpointer:
             if self.states and not model_only:
                 raise CheckpointFormatError(f"checkpoint {ckpt} is in the legacy {TORCH!r} format, which holds no "
                                             f"states ({', '.join(self.states)})")
-            return legacy.load(self, ckpt, iteration, manifest, request, options, object_keys, same_layout)
+            return load_legacy(self.chunks, self.optimizer, self.layout, self.coords, self.rank, ckpt, iteration,
+                               manifest, request, options, object_keys, same_layout)
         if manifest.format != TORCH_DIST:
             raise CheckpointFormatError(f"{ckpt}: unknown checkpoint format {manifest.format!r}")
         reader = SafeFileSystemReader(ckpt)

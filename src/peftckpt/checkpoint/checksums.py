@@ -19,16 +19,14 @@ from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from peftckpt.checkpoint.errors import CheckpointFormatError
+from peftckpt.checkpoint.manifest import CHECKSUM_ALGORITHM, Manifest
 from peftckpt.checkpoint.paths import recorded_file_problem
 from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
-
-if TYPE_CHECKING:
-    from peftckpt.checkpoint.manifest import Manifest
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -42,9 +40,6 @@ __all__ = [
     "files_share",
     "is_data_file",
 ]
-
-CHECKSUM_ALGORITHM = "xxh3_128"
-"""Checksum written into new manifests (see the module docstring for why)."""
 
 HASH_BLOCK_BYTES = 8 * 1024 * 1024
 """Read size while hashing: large enough to amortise syscalls, small enough to stay in cache."""

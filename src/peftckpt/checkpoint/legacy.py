@@ -7,9 +7,10 @@ Loading uses ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from ..sharding.entries import GlobalTensor
 from .errors import CheckpointFormatError, CheckpointMismatchError
+from .manifest import Manifest
+from .options import LoadOptions, LoadResult
 from .sections import (
     MODEL,
     OPTIMIZER,
@@ -28,11 +31,7 @@ from .sections import (
 )
 from .strictness import KeyReport, check_keys
 
-if TYPE_CHECKING:
-    from .api import Checkpointer, LoadOptions, LoadResult
-    from .manifest import Manifest
-
-__all__ = ["rank_file", "save_rank_file", "load"]
+__all__ = ["rank_file", "save_rank_file", "load_legacy"]
 
 FILENAME = "model_optim_rng.pt"
 
@@ -73,33 +72,32 @@ def save_rank_file(staging: Path, chunks: Sequence[nn.Module], optimizer: torch.
     with open(path, "wb") as f:
         torch.save(state, f)
         f.flush()
-        import os
-
         os.fsync(f.fileno())
     return [path]
 
 
-def load(ckpt: Checkpointer, root: Path, iteration: int, manifest: Manifest, request: dict[str, Any],
-         options: LoadOptions, object_keys: Sequence[str], same_layout: bool) -> LoadResult:
-    """Load this rank's legacy file into the request's live tensors."""
-    from .api import LoadResult
-
+def load_legacy(chunks: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None, layout: Mapping[str, int],
+                coords: Mapping[str, int], rank: int, root: Path, iteration: int, manifest: Manifest,
+                request: dict[str, Any], options: LoadOptions, object_keys: Sequence[str],
+                same_layout: bool) -> LoadResult:
+    """Load this rank's legacy file into the request's live tensors (``chunks``/``optimizer`` at ``layout``,
+    this rank at ``coords``)."""
     saved = {k: manifest.layout.get(k, 1) for k in ("tp", "pp", "vpp")}
-    now = {k: ckpt.layout.get(k, 1) for k in ("tp", "pp", "vpp")}
+    now = {k: layout.get(k, 1) for k in ("tp", "pp", "vpp")}
     if saved != now:
         raise CheckpointMismatchError(
             f"legacy --ckpt-format torch checkpoint {root} was saved at {saved} and loads only at that layout "
             f"(this run: {now}); convert it with --ckpt-convert-format torch_dist to reshard")
-    path = rank_file(root, ckpt.coords, ckpt.layout)
+    path = rank_file(root, coords, layout)
     state = torch.load(path, map_location="cpu", weights_only=True)
     flat_saved: dict[str, Any] = {}
-    for section in model_section_names(len(ckpt.chunks)):
+    for section in model_section_names(len(chunks)):
         for k, v in state.get(section, {}).items():
             flat_saved[f"{MODEL}.{k}"] = v
     for k, v in state.items():
         if not k.startswith(MODEL):
             flat_saved[k] = v
-    report = check_keys(options.strictness, request, flat_saved.keys(), ckpt.rank, source=f"checkpoint {path}")
+    report = check_keys(options.strictness, request, flat_saved.keys(), rank, source=f"checkpoint {path}")
     with torch.no_grad():
         for k, entry in request.items():
             if k in report.unexpected or not isinstance(entry, GlobalTensor):
@@ -118,9 +116,9 @@ def load(ckpt: Checkpointer, root: Path, iteration: int, manifest: Manifest, req
     objects = {k: flat_saved[k] for k in object_keys if k in flat_saved}
     # The file's writer (data-parallel rank 0 of this model-parallel rank) keyed its groups by its rank.
     group_keys = [k for k in flat_saved if k.startswith(f"{OPTIMIZER}.{PARAM_GROUPS}.")]
-    if options.load_optim and ckpt.optimizer is not None and group_keys:
-        apply_param_groups(ckpt.optimizer, flat_saved[group_keys[0]], ckpt.chunks)
-    rng_key = f"{RNG_STATE}.{ckpt.rank}"
+    if options.load_optim and optimizer is not None and group_keys:
+        apply_param_groups(optimizer, flat_saved[group_keys[0]], chunks)
+    rng_key = f"{RNG_STATE}.{rank}"
     restored = options.load_rng and same_layout and rng_key in flat_saved
     if restored:
         restore_rng(flat_saved[rng_key])

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import peftckpt
-from peftckpt.checkpoint.checksums import CHECKSUM_ALGORITHM
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
 from peftckpt.checkpoint.paths import read_regular_file, relpath_problem
 from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
 
 __all__ = [
+    "CHECKSUM_ALGORITHM",
     "FORMAT_VERSION",
     "KNOWN_FORMATS",
     "Manifest",
@@ -32,6 +32,9 @@ __all__ = [
 
 FORMAT_VERSION = 1
 """Newest manifest format version this library writes and reads."""
+
+CHECKSUM_ALGORITHM = "xxh3_128"
+"""Checksum recorded in new manifests (see :mod:`~peftckpt.checkpoint.checksums` for why)."""
 
 MANIFEST_MAX_BYTES = 256 << 20
 """Largest manifest read (one of a 70B model with every key recorded is a few MB)."""

@@ -15,12 +15,10 @@ from typing import Any
 from ..checkpoint.manifest import Manifest
 from ..model.config import ALL_LORA_TARGETS, LORA_PART_TARGETS, LORA_TARGETS, GPTConfig, LoRAConfig
 from ..parallel.dims import ParallelDims
+from .checkpoint_flags import add_checkpoint_args, validate_checkpoint_args
+from .errors import ArgumentError
 
 __all__ = ["ArgumentError", "build_parser", "parse_train_args", "model_config", "lora_config", "parallel_dims"]
-
-
-class ArgumentError(ValueError):
-    """A flag value or combination that cannot work."""
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -112,9 +110,7 @@ def build_parser(prog: str = "peftckpt train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a GPT (optionally with LoRA) with TP x PP x DP.")
     for add in (_add_model, _add_lora, _add_parallel, _add_training, _add_data, _add_logging):
         add(p)
-    # Checkpoint flags are added by the checkpoint integration (see train/checkpointing.py).
-    from .checkpointing import add_checkpoint_args
-
+    # Checkpoint flags: see train/checkpoint_flags.py.
     add_checkpoint_args(p)
     return p
 
@@ -235,8 +231,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--log-interval must be >= 1, got {args.log_interval}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    from .checkpointing import validate_checkpoint_args
-
     validate_checkpoint_args(args)
 
 

@@ -52,7 +52,7 @@ def run_training(args: argparse.Namespace, world_size: int, rank: int) -> int:
     """Train per ``args`` (see :class:`~peftckpt.train.trainer.Trainer`); returns the exit code."""
 
     def body() -> None:
-        from .checkpointing import check_checkpoint_paths
+        from .checkpoint_flags import check_checkpoint_paths
         from .trainer import Trainer
 
         lock = check_checkpoint_paths(args, rank)  # before any model is built: fail now, not after training

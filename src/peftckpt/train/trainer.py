@@ -24,6 +24,7 @@ from ..parallel.data_parallel import allreduce_gradients, clip_grad_norm, shard_
 from ..parallel.dims import ParallelDims, stage_layer_numbers
 from ..parallel.pipeline import PipelineRunner
 from .args import ArgumentError, lora_config, model_config, parallel_dims
+from .checkpointing import TrainerCheckpointing
 from .data import GlobalBatchSampler, TokenDataset, build_datasets, dp_slice
 from .metrics import MetricsLogger
 from .schedule import OptimizerParamScheduler
@@ -240,8 +241,6 @@ class Trainer:
     def run(self) -> list[float]:
         """Restore (``--pretrained-checkpoint``, ``--load``), train with periodic saves, save at the end;
         or only convert a checkpoint (``--ckpt-convert-format``). Returns this run's per-iteration losses."""
-        from .checkpointing import TrainerCheckpointing
-
         for note in getattr(self.args, "checkpoint_defaults", []):
             self.logger.info(note)
         ckpt = TrainerCheckpointing(self)

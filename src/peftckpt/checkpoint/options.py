@@ -1,0 +1,53 @@
+"""The option and result types of :class:`~peftckpt.checkpoint.api.Checkpointer`'s save and load."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .manifest import Manifest
+from .strictness import KeyReport, StrictHandling
+from .trainable import TORCH_DIST
+
+__all__ = ["SaveOptions", "LoadOptions", "LoadResult"]
+
+
+@dataclass
+class SaveOptions:
+    ckpt_format: str = TORCH_DIST
+    trainable_only: bool = False
+    save_optim: bool = True
+    save_rng: bool = True
+    keep_last_k: int | None = None
+    async_save: bool = False
+    """Write in a background thread after a blocking copy to host memory; committed by :meth:`Checkpointer.poll`,
+    :meth:`Checkpointer.wait` or the next save (at most one save in flight)."""
+
+
+@dataclass
+class LoadOptions:
+    load_optim: bool = True
+    load_rng: bool = True
+    strictness: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED
+    verify_checksums: bool = True
+    verify_while_reading: bool = True
+    """Hash the data files while DCP reads them (the read and the hashing overlap; the file is read from disk
+    once). A damaged file is still reported, naming it, but after the model and optimizer received values
+    from it. False verifies every file before anything is read (e.g. to hot-swap an adapter into a model
+    that must stay intact if the new one is damaged). Presence, sizes and the small files (manifest, DCP
+    metadata) are always checked first."""
+    verify_base: bool = True
+    objects: Sequence[str] = ()
+    """Names of object sections to read back (iteration, opt_param_scheduler, ...)."""
+
+
+@dataclass
+class LoadResult:
+    path: Path
+    iteration: int
+    manifest: Manifest
+    objects: dict[str, Any] = field(default_factory=dict)
+    report: KeyReport = field(default_factory=KeyReport)
+    rng_restored: bool = False

@@ -1,0 +1,154 @@
+"""The trainer's checkpoint flags (Megatron-LM names): their definitions, the combinations refused at parse
+time, and the start-up check of the paths they name (before any model is built)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from ..checkpoint.collectives import Collectives
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
+from ..checkpoint.strictness import StrictHandling
+from ..checkpoint.trainable import TORCH, TORCH_DIST
+from .errors import ArgumentError
+
+__all__ = ["add_checkpoint_args", "validate_checkpoint_args", "check_checkpoint_paths"]
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """Checkpoint flags (Megatron-LM names)."""
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    g.add_argument("--load", default=None, help="resume from the newest committed checkpoint of this directory")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="the base weights, loaded (model only) before --load: a full torch_dist checkpoint or an "
+                   "HF Llama directory (config.json + safetensors, read per rank without conversion)")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights from --load and start at iteration 0")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG state")
+    g.add_argument("--no-save-optim", action="store_true", help="do not save the optimizer state")
+    g.add_argument("--no-save-rng", action="store_true", help="do not save the RNG state")
+    g.add_argument("--ckpt-format", choices=[TORCH_DIST, TORCH], default=TORCH_DIST)
+    g.add_argument("--ckpt-convert-format", choices=[TORCH_DIST, TORCH], default=None,
+                   help="load --load, save it in this format to --ckpt-convert-save, then exit")
+    g.add_argument("--ckpt-convert-save", default=None)
+    g.add_argument("--dist-ckpt-strictness", choices=[m.value for m in StrictHandling],
+                   default=StrictHandling.ASSUME_OK_UNEXPECTED.value)
+    g.add_argument("--save-trainable-params-only", action="store_true",
+                   help="save only parameters with requires_grad (the adapters) and their optimizer state")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="fail if --load holds no checkpoint instead of starting from scratch")
+    g.add_argument("--no-verify-base", action="store_true",
+                   help="load an adapter even if the base fingerprint differs from the one it was trained on")
+    g.add_argument("--no-verify-checksums", action="store_true",
+                   help="skip re-reading every checkpoint file to check its checksum before loading")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, if --save is set) when the iteration is a multiple of N")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background: training waits only for the copy to host memory")
+    g.add_argument("--keep-last-k", type=int, default=None, help="keep only the newest K checkpoints in --save")
+
+
+def validate_checkpoint_args(args: argparse.Namespace) -> None:
+    """Refuse checkpoint flag combinations that cannot work."""
+    if args.save_trainable_params_only and args.ckpt_format != TORCH_DIST:
+        raise ArgumentError("--save-trainable-params-only needs --ckpt-format torch_dist (the legacy torch format "
+                            "detaches tensors, losing requires_grad)")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        raise ArgumentError("--save-interval needs --save and a value >= 1")
+    if args.ckpt_convert_format and not (args.load and args.ckpt_convert_save):
+        raise ArgumentError("--ckpt-convert-format needs --load and --ckpt-convert-save")
+    if args.ckpt_convert_save and not args.ckpt_convert_format:
+        raise ArgumentError("--ckpt-convert-save needs --ckpt-convert-format")
+    if args.exit_on_missing_checkpoint and not args.load:
+        raise ArgumentError("--exit-on-missing-checkpoint needs --load")
+    if args.finetune and not args.load:
+        raise ArgumentError("--finetune needs --load")
+    if args.async_save and args.ckpt_format != TORCH_DIST:
+        raise ArgumentError("--async-save needs --ckpt-format torch_dist")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ArgumentError(f"--exit-interval must be >= 1, got {args.exit_interval}")
+    if args.keep_last_k is not None and args.keep_last_k < 1:
+        raise ArgumentError(f"--keep-last-k must be >= 1, got {args.keep_last_k}")
+
+
+def _save_dir_problem(flag: str, value: str) -> str | None:
+    """Why ``value`` cannot become a save directory, or ``None``: it is a writable directory, or its nearest
+    existing ancestor is one (the run lock creates it). Nothing is left behind by the check."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        return f"{flag} {value} is a file, not a directory"
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{flag} {value} is not a writable directory ({probe} is a file)"
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".peftckpt-write-test."):
+            pass
+    except OSError as e:
+        return f"{flag} {value} is not a writable directory ({e.strerror or e})"
+    return None
+
+
+def _read_dir_problem(flag: str, value: str, must_exist: bool) -> str | None:
+    """Why ``value`` cannot be read as a checkpoint or save directory, or ``None``."""
+    path = Path(value)
+    if not path.exists():
+        return f"{flag} {value} does not exist" if must_exist else None
+    if not path.is_dir():
+        return f"{flag} {value} is a file, not a checkpoint or save directory"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"{flag} {value} is not readable"
+    return None
+
+
+def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock | None:
+    """Before any model is built or any iteration runs (collective): every rank checks that ``--load`` and
+    ``--pretrained-checkpoint`` are readable and that ``--save`` (and ``--ckpt-convert-save``) is, or can be
+    created as, a writable directory; rank 0 then locks the save directory for the run's life (creating it; a
+    run that ends without saving anything leaves no trace of it, see ``SaveDirLock.release``).
+
+    Returns the lock (rank 0, with ``--save``), to release when the run ends.
+
+    Raises (on every rank, with the same message):
+        ArgumentError: a path flag that cannot work, naming the flag, the path and the rank(s).
+        SaveDirInUseError: another live run holds the save directory.
+    """
+    problems = [p for p in (
+        _read_dir_problem("--load", args.load, must_exist=False) if args.load else None,
+        _read_dir_problem("--pretrained-checkpoint", args.pretrained_checkpoint, must_exist=True)
+        if args.pretrained_checkpoint else None,
+    ) if p is not None]
+    if not problems:
+        problems = [p for flag, v in (("--save", args.save), ("--ckpt-convert-save", args.ckpt_convert_save))
+                    if v and (p := _save_dir_problem(flag, v)) is not None]
+    comm = Collectives()
+    found = comm.gather(problems)
+    if any(found):
+        lines = dict.fromkeys(p for ps in found for p in ps)
+        ranks = [r for r, ps in enumerate(found) if ps]
+        where = "" if len(found) == 1 else f" (seen by rank(s) {', '.join(map(str, ranks))})"
+        raise ArgumentError("; ".join(lines) + where)
+    lock: SaveDirLock | None = None
+    error: tuple[bool, str] | None = None
+    target = args.ckpt_convert_save if args.ckpt_convert_format else args.save
+    if rank == 0 and target:
+        try:
+            lock = acquire_save_lock(target)
+        except SaveDirInUseError as e:
+            error = (True, str(e))
+        except OSError as e:
+            error = (False, f"cannot lock save directory {target}: {e.strerror or e}")
+    errors = [e for e in comm.gather(error) if e]
+    if errors:
+        in_use, message = errors[0]
+        refused = SaveDirInUseError(message) if in_use else CheckpointError(message)
+        refused.every_rank = True
+        raise refused
+    return lock
