@@ -14,7 +14,8 @@ import torch
 from peftckpt.checkpoint.api import LoadOptions
 from peftckpt.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.verify import verify_checkpoint, verify_main
+from peftckpt.checkpoint.verify import verify_checkpoint
+from peftckpt.cli.verify import verify_main
 from tests.unit.small_model import small_checkpointer
 
 

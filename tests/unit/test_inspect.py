@@ -26,9 +26,9 @@ from peftckpt.checkpoint.inspect import (
     InspectReport,
     inspect_path,
 )
-from peftckpt.checkpoint.inspect_cli import inspect_main, render_text
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.storage_layout import new_staging_dir, write_tracker
+from peftckpt.cli.inspect import inspect_main, render_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

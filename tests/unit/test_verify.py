@@ -18,7 +18,8 @@ from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFound
 from peftckpt.checkpoint.manifest import Manifest
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.storage_layout import commit_staging, new_staging_dir
-from peftckpt.checkpoint.verify import verify_checkpoint, verify_main
+from peftckpt.checkpoint.verify import verify_checkpoint
+from peftckpt.cli.verify import verify_main
 
 
 def _make_checkpoint(save: Path, iteration: int = 100, shape_in_manifest: list[int] | None = None) -> Path:

@@ -7,7 +7,6 @@ modules, DTensor-TP modules, FSDP2-sharded modules and pipeline chunks; it knows
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import secrets
 import threading
@@ -27,15 +26,16 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..sharding.entries import GlobalTensor, LazyGlobalTensor
+from .async_save import PendingSave, host_copy
 from .checksums import (
     ChecksummingFileSystem,
-    checksum_files,
     files_share,
     is_data_file,
     verify_checksums,
     verify_files,
 )
 from .collectives import Collectives
+from .commit import PendingCommit, commit_checkpoint
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -48,13 +48,14 @@ from .errors import (
 )
 from .faults import fault_point
 from .fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
-from .integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems
-from .legacy import load_legacy, rank_file, save_rank_file
+from .integrity import dcp_problems
+from .legacy import load_legacy, save_rank_file
+from .load_checks import architecture_mismatch, base_mismatch, damaged, shape_mismatch
 from .manifest import Manifest, read_manifest
 from .options import LoadOptions, LoadResult, SaveOptions
 from .parallel_layout import parallel_layout
 from .planners import EntryLoadPlanner, EntrySavePlanner
-from .safe_pickle import SafeFileSystemReader, load_dcp_metadata
+from .safe_pickle import SafeFileSystemReader
 from .save_lock import SaveDirLock, acquire_save_lock
 from .sections import (
     CHECKPOINT_VERSION,
@@ -76,11 +77,8 @@ from .sections import (
     tensor_records,
 )
 from .storage_layout import (
-    apply_retention,
     clean_stale_staging,
-    commit_staging,
     new_staging_dir,
-    read_tracker,
     resolve_checkpoint_dir,
 )
 from .strictness import KeyReport, check_keys
@@ -95,55 +93,6 @@ class _Verify:
 
     ckpt: Path
     future: Future[list[str]] | None = None
-
-
-@dataclass
-class _PendingCommit:
-    """What the commit of a written (or being written) checkpoint needs."""
-
-    save: Path
-    staging: Path
-    iteration: int
-    kept: dict[str, Any]
-    excluded: dict[str, Any]
-    fingerprint: str | None
-    options: SaveOptions
-    object_names: list[str]
-    args: dict[str, Any]
-    future: Future[Any] | None = None
-    checksums: ChecksummingFileSystem | None = None
-    """Digests of the DCP files, taken while they were written."""
-    committed: bool = False
-    error: BaseException | None = None
-    """Why the save failed (an async save's handle raises it again)."""
-
-
-class PendingSave:
-    """An async save (:meth:`Checkpointer.async_save`): training goes on while it is written.
-
-    :meth:`result` waits for it, commits it (collective, like every checkpointer call: every rank calls it)
-    and returns the committed directory, or raises why it failed. The next save or load, :meth:`Checkpointer.wait`,
-    :meth:`Checkpointer.poll` and :meth:`Checkpointer.close` commit it too; :meth:`result` then answers at once.
-    """
-
-    def __init__(self, checkpointer: Checkpointer, commit: _PendingCommit):
-        self._checkpointer = checkpointer
-        self._commit = commit
-        self.path = commit.save / f"iter_{commit.iteration:07d}"
-        """Where it is committed (it does not exist before)."""
-
-    def done(self) -> bool:
-        """Committed or failed (this rank's view; no collective)."""
-        return self._commit.committed or self._commit.error is not None
-
-    def result(self) -> Path:
-        if not self.done() and self._checkpointer._pending is self._commit:
-            self._checkpointer.wait()
-        if self._commit.error is not None:
-            raise self._commit.error
-        if not self._commit.committed:
-            raise CheckpointError(f"the async save of iteration {self._commit.iteration} was never committed")
-        return self.path
 
 
 @contextlib.contextmanager
@@ -161,37 +110,6 @@ def _no_zip_crc32() -> Iterator[None]:
         yield
     finally:
         torch.serialization.set_crc32_options(previous)
-
-
-def _shape_mismatch(request: Mapping[str, Any], metadata: Any, ckpt: Path) -> CheckpointMismatchError | None:
-    """The requested tensors that ``ckpt`` stores with another global shape, as one error (or ``None``)."""
-    stored = metadata.state_dict_metadata
-    diffs = [f"  {k}: checkpoint {list(stored[k].size)}, model {list(v.global_shape)}"
-             for k, v in sorted(request.items()) if isinstance(v, GlobalTensor)
-             and isinstance(stored.get(k), TensorStorageMetadata) and list(stored[k].size) != list(v.global_shape)]
-    if not diffs:
-        return None
-    return CheckpointMismatchError(
-        f"checkpoint {ckpt} stores {len(diffs)} tensor(s) with another shape than this model's:\n"
-        + "\n".join(diffs[:10]) + ("\n  ..." if len(diffs) > 10 else "")
-        + "\nthe model flags (architecture, --lora-rank, --lora-target-modules) must match the checkpoint's")
-
-
-def _commit_outcome(c: _PendingCommit, reached: Sequence[str]) -> str:
-    """What a commit that failed after the steps in ``reached`` left committed (see ``commit_staging``)."""
-    final = c.save / f"iter_{c.iteration:07d}"
-    if "tracker" in reached:
-        return (f"iteration {c.iteration} was committed as {final} and the tracker names it; only deleting "
-                "older checkpoints (--keep-last-k) failed")
-    if "renamed" in reached:
-        try:
-            tracked = f"names iteration {read_tracker(c.save)}"
-        except CheckpointError as e:
-            tracked = f"is unreadable ({e})"
-        return (f"iteration {c.iteration} was committed as {final}, but the tracker was not moved to it: it "
-                f"still {tracked}; a load of {c.save} follows the tracker")
-    return ("nothing was committed (no iter_* directory was renamed): the previously committed checkpoint and "
-            "the tracker are unchanged")
 
 
 class Checkpointer:
@@ -230,8 +148,8 @@ class Checkpointer:
         """The fingerprint of the frozen parameters, per version (the base changes only through a load)."""
         self.base_fingerprint_wait_s: float | None = None
         """How long the last base load waited for its fingerprint after reading its last piece."""
-        self._pending: _PendingCommit | None = None
-        self._last: _PendingCommit | None = None
+        self._pending: PendingCommit | None = None
+        self._last: PendingCommit | None = None
         """The latest save (its handle's state)."""
         self._async_pg: dist.ProcessGroup | None = None
         self._host_buffers: dict[str, GlobalTensor] = {}
@@ -354,9 +272,13 @@ class Checkpointer:
         self.comm.barrier()
         # 3.
         release: threading.Event | None = None
-        commit = _PendingCommit(save=save, staging=staging, iteration=iteration, kept=kept, excluded=excluded,
-                                fingerprint=fingerprint, options=options, object_names=object_names,
-                                args=dict(args or {}))
+        sections = model_section_names(len(self.chunks)) + (
+            [OPTIMIZER] if options.save_optim and self.optimizer is not None else []) + (
+            [RNG_STATE] if options.save_rng else []) + object_names
+        commit = PendingCommit(save=save, staging=staging, iteration=iteration, options=options, kept=kept,
+                               excluded=excluded, sections=sections, fingerprint=fingerprint, layout=self.layout,
+                               coords=self.coords, model_config=self.model_config,
+                               adapter_config=self.adapter_config, args=dict(args or {}))
         try:
             if options.ckpt_format == TORCH_DIST:
                 streamed = any(isinstance(v, LazyGlobalTensor) for v in flat.values())
@@ -371,7 +293,7 @@ class Checkpointer:
                     # Training is blocked only for the copy to host memory; DCP plans and writes in a thread
                     # of its own (plain `dcp.save` there: `dcp.async_save` would still walk every entry on
                     # this thread before handing over).
-                    snapshot, check_frozen_unchanged = self._host_copy(flat)
+                    snapshot, self._host_buffers, check_frozen_unchanged = host_copy(flat, self._host_buffers)
                     group = self._async_group()
                     # The thread starts writing once this call returns, not competing with its end for the GIL.
                     release = threading.Event()
@@ -407,18 +329,18 @@ class Checkpointer:
                 release.set()
         self._last = commit
         if self._pending is None:
-            self._commit(commit)
+            commit_checkpoint(self.comm, commit)
         return save / f"iter_{iteration:07d}"
 
     # ------------------------------------------------------------------------------------- async
     def async_save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
                    options: SaveOptions | None = None, args: Mapping[str, Any] | None = None) -> PendingSave:
         """:meth:`save` in the background: returns once this rank's state is copied to host memory (frozen
-        parameters excepted, see :meth:`_host_copy`). At most one save is in flight: a second one first
-        commits the first. Checkpoints in the legacy format are written at once (the handle is done)."""
+        parameters excepted, see :func:`~peftckpt.checkpoint.async_save.host_copy`). At most one save is in
+        flight: a second one first commits the first. The legacy format is written at once (the handle is done)."""
         self.save(save_dir, iteration, objects, replace(options or SaveOptions(), async_save=True), args)
         assert self._last is not None
-        return PendingSave(self, self._last)
+        return PendingSave(self._last, lambda c: self.wait() if self._pending is c else None)
 
     def _async_group(self) -> dist.ProcessGroup | None:
         """A gloo group of its own for the background save, so it never interleaves with training traffic."""
@@ -432,33 +354,6 @@ class Checkpointer:
                                                 use_local_synchronization=True)
         return self._async_pg
 
-    def _host_copy(self, flat: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
-        """The entries of an async save, safe to write while training goes on, and a check to run once
-        they are written.
-
-        Tensors training updates in place (trainable parameters, optimizer state, buffers) are copied into
-        host buffers kept from the previous async save (free again: at most one save is in flight; they stay
-        allocated between saves, the size of the copied state). Frozen parameters are written from live
-        memory -- training never writes to them, and with a frozen base they are most of the bytes -- and the
-        check raises if any of them was modified in place before the write ended (the save is then
-        discarded, the previous checkpoint kept). Other values are deep-copied."""
-        previous = self._host_buffers
-        self._host_buffers = {k: v.snapshot(previous.get(k)) for k, v in flat.items()
-                              if isinstance(v, GlobalTensor) and not v.frozen}
-        versions = [(k, p.tensor, p.tensor._version) for k, v in flat.items() if isinstance(v, GlobalTensor)
-                    and v.frozen for p in v.pieces]
-        state = {k: v if isinstance(v, GlobalTensor) and v.frozen else
-                 self._host_buffers[k] if isinstance(v, GlobalTensor) else copy.deepcopy(v) for k, v in flat.items()}
-
-        def check_frozen_unchanged() -> None:
-            changed = sorted({k for k, t, version in versions if t._version != version})
-            if changed:
-                raise CheckpointError(
-                    f"{len(changed)} frozen parameter(s) were modified in place while an async save was writing "
-                    f"them ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}): the save is discarded. "
-                    "Keep frozen weights unchanged (e.g. merge_lora) until Checkpointer.wait() returns")
-
-        return state, check_frozen_unchanged
 
     @property
     def save_in_flight(self) -> bool:
@@ -486,85 +381,10 @@ class Checkpointer:
             error = unwrap_dcp_error(e)
         try:
             self.comm.agree(error, f"async save of iteration {pending.iteration} to {pending.save} failed")
-            self._commit(pending)
+            commit_checkpoint(self.comm, pending)
         except BaseException as e:
             pending.error = e
             raise
-
-    # ------------------------------------------------------------------------------------ commit
-    def _commit(self, c: _PendingCommit) -> None:
-        """Steps 4 and 5 of :meth:`save`: checksums, whole-checkpoint check, manifest, rename, tracker,
-        retention. A failure says exactly what it left committed and where the tracker points."""
-        error: BaseException | None = None
-        mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded)
-        try:
-            if c.options.ckpt_format == TORCH:
-                own = rank_file(c.staging, self.coords, self.layout)
-                written = [own] if own.is_file() and self.coords.get("dp", 0) == 0 else []
-            else:
-                written = sorted(c.staging.glob(f"__{self.rank}_*"))
-            checksum = checksum_files if c.checksums is None else c.checksums.checksums
-            mine = (checksum(written, c.staging), c.kept, c.excluded)
-        except OSError as e:  # e.g. the staging directory vanished: agreed below, never a hang in the gather
-            error = e
-        self.comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed")
-        records = self.comm.gather(mine)
-        fault_point("before_manifest", self.rank, c.iteration)
-        reached: list[str] = []
-        try:
-            if self.rank == 0:
-                manifest = self._manifest(c, records)
-                steps = {"manifest_written": "before_rename", "renamed": "before_tracker"}
-
-                def on_step(step: str) -> None:
-                    reached.append(step)
-                    fault_point(steps[step], self.rank, c.iteration)
-
-                final = commit_staging(c.staging, c.save, c.iteration, manifest.to_json(), on_step=on_step)
-                reached.append("tracker")
-                if c.options.keep_last_k:
-                    apply_retention(c.save, c.options.keep_last_k, protect=[final])
-        except BaseException as e:  # noqa: BLE001
-            error = e
-        self.comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed",
-                        outcome=None if error is None else _commit_outcome(c, reached))
-        c.committed = True
-
-    def _manifest(self, c: _PendingCommit, records: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]
-                  ) -> Manifest:
-        """The manifest of a fully written staging directory (rank 0), refused if the checkpoint is not whole."""
-        files: dict[str, Any] = {}
-        saved_keys: dict[str, Any] = {}
-        excluded_keys: dict[str, Any] = {}
-        for f, k, x in records:
-            files.update(f)
-            saved_keys.update(k)
-            excluded_keys.update(x)
-        checksum = checksum_files if c.checksums is None else c.checksums.checksums
-        others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix()
-                  not in files]
-        files.update(checksum(others, c.staging))
-        if c.options.ckpt_format == TORCH_DIST:
-            try:
-                metadata = load_dcp_metadata(c.staging / DCP_METADATA_FILENAME)
-                problems = storage_problems(c.staging, metadata, files, saved_keys)
-            except CheckpointError as e:  # e.g. the staging directory was removed under the save
-                problems = [str(e)]
-            if problems:
-                raise CheckpointIntegrityError("the written checkpoint is not whole, so it is not committed:\n  "
-                                               + "\n  ".join(problems))
-        sections = list(model_section_names(len(self.chunks)))
-        if c.options.save_optim and self.optimizer is not None:
-            sections.append(OPTIMIZER)
-        if c.options.save_rng:
-            sections.append(RNG_STATE)
-        sections += c.object_names
-        return Manifest(
-            format=c.options.ckpt_format, iteration=c.iteration, sections=sections, layout=self.layout,
-            model_config=self.model_config, trainable_only=c.options.trainable_only, saved_keys=saved_keys,
-            excluded_keys=excluded_keys, adapter_config=self.adapter_config,
-            base_fingerprint=c.fingerprint, files=files, args=c.args,
-        )
 
     # ------------------------------------------------------------------------------------- locks
     def lock(self, save_dir: str | os.PathLike[str]) -> None:
@@ -624,23 +444,9 @@ class Checkpointer:
 
     def _raise_if_damaged(self, v: _Verify, problems: list[str], after_read: bool = False) -> None:
         """Raise :class:`CheckpointIntegrityError` on every rank if any rank found a damaged file."""
-        all_problems = list(dict.fromkeys(p for ps in self.comm.gather(problems) for p in ps))
-        if all_problems:
-            raise CheckpointIntegrityError(
-                f"checkpoint {v.ckpt} is damaged:\n  " + "\n  ".join(all_problems)
-                + ("\n(--no-verify-checksums skips the checksums)" if any("checksum mismatch" in p for p in all_problems)
-                   else "")
-                + ("\nits data files were checked while they were read, so the model and optimizer may hold "
-                   "values from them: load again from an intact checkpoint" if after_read else "")
-            )
-
-    def _check_architecture(self, manifest: Manifest, ckpt: Path) -> None:
-        diffs = [f"  {k}: checkpoint {manifest.model_config.get(k)!r}, model {v!r}"
-                 for k, v in self.model_config.items() if k in manifest.model_config
-                 and manifest.model_config[k] != v]
-        if diffs:
-            raise CheckpointMismatchError(f"checkpoint {ckpt} was saved for a different architecture:\n"
-                                          + "\n".join(diffs) + "\nfix the model flags to match the checkpoint")
+        error = damaged(v.ckpt, list(dict.fromkeys(p for ps in self.comm.gather(problems) for p in ps)), after_read)
+        if error is not None:
+            raise error
 
     def _request(self, trainable_only: bool, with_optim: bool) -> dict[str, Any]:
         flat: dict[str, Any] = {}
@@ -673,19 +479,13 @@ class Checkpointer:
         # 1.
         ckpt, iteration, manifest, verification = self._resolve(path, options)
         # 2.
-        self._check_architecture(manifest, ckpt)
+        self.comm.agree(architecture_mismatch(self.model_config, manifest, ckpt))
         if manifest.trainable_only and options.verify_base and not model_only:
             # Fingerprint what the checkpoint calls its base (its excluded keys), not what is frozen now: a
             # parameter unfrozen since is reported below as an unexpected key, with its own hint.
             mine = self.fingerprint(sorted(manifest.excluded_keys),
                                     fingerprint_version(manifest.base_fingerprint or ""))
-            if manifest.base_fingerprint and manifest.base_fingerprint != mine:
-                raise CheckpointMismatchError(
-                    f"adapter checkpoint {ckpt} was trained on a different base model:\n"
-                    f"  base fingerprint in the checkpoint: {manifest.base_fingerprint}\n"
-                    f"  base fingerprint of this model:     {mine}\n"
-                    "load the matching --pretrained-checkpoint, or pass --no-verify-base to override"
-                )
+            self.comm.agree(base_mismatch(manifest, mine, ckpt))
         # 3.
         with_optim = options.load_optim and not model_only
         if with_optim and self.optimizer is not None and OPTIMIZER not in manifest.sections:
@@ -715,7 +515,7 @@ class Checkpointer:
             raise CheckpointFormatError(f"{ckpt}: unknown checkpoint format {manifest.format!r}")
         reader = SafeFileSystemReader(ckpt)
         metadata = reader.read_metadata()
-        self.comm.agree(_shape_mismatch(request, metadata, ckpt))
+        self.comm.agree(shape_mismatch(request, metadata, ckpt))
         saved = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
         hints = {k: ("trainable now but frozen when the checkpoint was saved, so it is not in it: its value must "
                      "come from --pretrained-checkpoint; --dist-ckpt-strictness log_unexpected keeps that value")
@@ -892,13 +692,13 @@ class Checkpointer:
             raise CheckpointFormatError(
                 f"--pretrained-checkpoint {ckpt} is an adapter-only checkpoint (saved with "
                 "--save-trainable-params-only); it holds no base weights. Pass it as --load instead")
-        self._check_architecture(manifest, ckpt)
+        self.comm.agree(architecture_mismatch(self.model_config, manifest, ckpt))
         if manifest.format != TORCH_DIST:
             raise CheckpointFormatError(f"--pretrained-checkpoint {ckpt} must be torch_dist, got {manifest.format!r}")
         reader = SafeFileSystemReader(ckpt)
         metadata = reader.read_metadata()
         request = self._request(False, False)
-        self.comm.agree(_shape_mismatch(request, metadata, ckpt))
+        self.comm.agree(shape_mismatch(request, metadata, ckpt))
         absent = [k for k in request if k not in metadata.state_dict_metadata]
         frozen_absent = [k for k in absent if not request[k].requires_grad]
         error: BaseException | None = None

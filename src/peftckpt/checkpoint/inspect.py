@@ -1,6 +1,6 @@
 """Offline report on a checkpoint: the report records and their collection behind
 ``peftckpt inspect DIR [--keys] [--json] [--no-verify-checksums]`` (the text rendering and the command
-itself are in :mod:`peftckpt.checkpoint.inspect_cli`).
+itself are in :mod:`peftckpt.cli.inspect`).
 
 No process group and no torchrun: everything is read from disk, and nothing from the checkpoint is ever
 executed (JSON manifest; DCP's pickled ``.metadata`` only through

@@ -1,4 +1,5 @@
-"""Offline integrity check of a checkpoint: ``peftckpt verify DIR`` (no process group, no torchrun).
+"""Offline integrity check of a checkpoint (no process group, no torchrun; ``peftckpt verify DIR`` is
+:mod:`peftckpt.cli.verify`).
 
 Steps of :func:`verify_checkpoint`:
     1. Resolve ``DIR`` (a save directory via its tracker, or a checkpoint directory).
@@ -12,20 +13,17 @@ Steps of :func:`verify_checkpoint`:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from peftckpt.checkpoint.checksums import verify_files
-from peftckpt.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from peftckpt.checkpoint.errors import UnsafeCheckpointError
 from peftckpt.checkpoint.integrity import DCP_METADATA_FILENAME, dcp_problems
 from peftckpt.checkpoint.manifest import read_manifest
 from peftckpt.checkpoint.storage_layout import resolve_checkpoint_dir
 
-__all__ = ["DCP_METADATA_FILENAME", "VerifyReport", "verify_checkpoint", "verify_main"]
+__all__ = ["DCP_METADATA_FILENAME", "VerifyReport", "verify_checkpoint"]
 
 @dataclass
 class VerifyReport:
@@ -84,46 +82,3 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
             report.problems.append(str(exc))
     report.problems = list(dict.fromkeys(report.problems))  # a missing file is found by steps 3 and 4
     return report
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="peftckpt verify",
-        description="Check a checkpoint offline: manifest, file sizes and checksums, DCP metadata.",
-    )
-    parser.add_argument(
-        "dir", metavar="DIR", help="a save directory (uses its tracker) or an iter_* directory"
-    )
-    parser.add_argument("--json", action="store_true", help="print a JSON report on stdout")
-    return parser
-
-
-def verify_main(argv: list[str] | None = None) -> int:
-    """``peftckpt verify DIR [--json]``. Exit code: 0 intact, 1 problems found, 2 usage error."""
-    parser = _build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
-        return exc.code if isinstance(exc.code, int) else 2
-    target = Path(args.dir)
-    if not target.exists():
-        print(f"peftckpt verify: error: DIR {target} does not exist", file=sys.stderr)
-        return 2
-    try:
-        report = verify_checkpoint(target)
-    except CheckpointError as exc:
-        if args.json:
-            print(json.dumps({"path": str(target), "ok": False, "problems": [str(exc)]}, indent=2))
-        print(f"peftckpt verify: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    if report.ok:
-        if not args.json:
-            mib = report.total_bytes / 2**20
-            print(f"OK {report.path} (iteration {report.iteration}, {report.num_files} files, {mib:.1f} MiB)")
-        return 0
-    for problem in report.problems:
-        print(problem, file=sys.stderr)
-    print(f"FAILED {report.path}: {len(report.problems)} problem(s)", file=sys.stderr)
-    return 1

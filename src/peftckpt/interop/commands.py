@@ -1,4 +1,5 @@
-"""The interop commands: ``import-hf``, ``export-hf``, ``export-peft``, ``import-peft`` (one process, no torchrun).
+"""The interop operations behind ``import-hf``, ``export-hf``, ``export-peft``, ``import-peft`` (one process, no
+torchrun; their command lines are in :mod:`peftckpt.cli.interop`).
 
 Each one validates everything before it writes: a refused input leaves nothing behind, exits 1 (2 for usage
 errors) with one message naming the file, key or flag.
@@ -6,14 +7,11 @@ errors) with one message naming the file, key or flag.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import os
 import shutil
-import sys
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.api import Checkpointer, SaveOptions
-from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
+from ..checkpoint.errors import CheckpointMismatchError
 from ..checkpoint.fingerprint import fingerprint_version
 from ..checkpoint.offline import OfflineCheckpoint, lazy_entries, lazy_fingerprint, open_checkpoint
 from ..model.config import GPTConfig, LoRAConfig
@@ -32,8 +30,7 @@ from .hf_dir import HFModelDir, is_hf_dir
 from .hf_llama import InteropError, config_to_hf, hf_export_plan, write_hf_dir
 from .peft import adapter_to_peft, is_adapter_name, peft_to_adapter, read_peft_dir, write_peft_dir
 
-__all__ = ["import_hf_main", "export_hf_main", "export_peft_main", "import_peft_main", "import_hf", "export_hf",
-           "export_peft", "import_peft"]
+__all__ = ["import_hf", "export_hf", "export_peft", "import_peft"]
 
 _SINGLE = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}
 _COORDS = {"tp": 0, "pp": 0, "dp": 0}
@@ -252,70 +249,3 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
     with _output_dir(out) as out_dir:
         write_hf_dir(out_dir, hf_config, specs, tensors())
     return out_dir
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str], action: Any) -> int:
-    args = parser.parse_args(list(argv))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # DCP's single-process notices
-            result = action(args)
-    except (InteropError, CheckpointError) as e:
-        print(f"peftckpt {prog}: error: {e}", file=sys.stderr)
-        return 1
-    print(result)
-    return 0
-
-
-def import_hf_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="peftckpt import-hf", description=(
-        "Convert an HF Llama model directory (config.json + safetensors, sharded or not) into a full torch_dist "
-        "base checkpoint, usable as --pretrained-checkpoint at any TP/PP. `train` reads the architecture from it."))
-    p.add_argument("hf_dir", metavar="HF_DIR")
-    p.add_argument("out", metavar="OUT", help="new save directory (must not exist or be empty)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="store the base in this dtype (default: each tensor's dtype in the HF files)")
-    return _run("import-hf", p, argv, lambda a: (
-        f"imported {a.hf_dir} -> {import_hf(a.hf_dir, a.out, getattr(torch, a.dtype) if a.dtype else None)}"))
-
-
-def import_peft_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="peftckpt import-peft", description=(
-        "Convert an HF PEFT LoRA adapter (targets among q/k/v/o/gate/up/down_proj) into an adapter-only "
-        "checkpoint (iteration 0, per-projection adapters) that `train --load` resumes from."))
-    p.add_argument("peft_dir", metavar="PEFT_DIR")
-    p.add_argument("out", metavar="OUT", help="new save directory (must not exist or be empty)")
-    p.add_argument("--base", required=True, help="the base the adapter belongs to: an HF Llama directory or a full "
-                   "checkpoint (see import-hf)")
-    p.add_argument("--no-verify-checksums", action="store_true")
-    return _run("import-peft", p, argv, lambda a: (
-        f"imported {a.peft_dir} -> {import_peft(a.peft_dir, a.out, a.base, not a.no_verify_checksums)}"))
-
-
-def export_peft_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="peftckpt export-peft", description=(
-        "Export the LoRA adapter of a checkpoint (saved at any layout) as an HF PEFT adapter directory "
-        "(adapter_model.safetensors + adapter_config.json) for peft.PeftModel.from_pretrained."))
-    p.add_argument("ckpt", metavar="CKPT", help="save directory or checkpoint directory")
-    p.add_argument("out", metavar="OUT", help="new directory (must not exist or be empty)")
-    p.add_argument("--base-model-name-or-path", default=None, help="recorded in adapter_config.json")
-    p.add_argument("--no-verify-checksums", action="store_true")
-    return _run("export-peft", p, argv, lambda a: (
-        f"exported {export_peft(a.ckpt, a.out, a.base_model_name_or_path, not a.no_verify_checksums)}"))
-
-
-def export_hf_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="peftckpt export-hf", description=(
-        "Export a checkpoint as an HF Llama model directory, LoRA adapters merged into the weights. An "
-        "adapter-only checkpoint needs its base (--base, default: the --pretrained-checkpoint it was trained on)."))
-    p.add_argument("ckpt", metavar="CKPT", help="save directory or checkpoint directory")
-    p.add_argument("out", metavar="OUT", help="new directory (must not exist or be empty)")
-    p.add_argument("--base", default=None, help="the base of an adapter-only CKPT: a full checkpoint or an HF "
-                   "Llama directory")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--no-verify-base", action="store_true", help="merge even if the base fingerprint differs")
-    p.add_argument("--no-verify-checksums", action="store_true")
-    return _run("export-hf", p, argv, lambda a: (
-        "exported " + str(export_hf(a.ckpt, a.out, a.base, not a.no_verify_base, not a.no_verify_checksums,
-                                    getattr(torch, a.dtype)))))

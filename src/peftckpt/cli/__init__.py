@@ -1,4 +1,7 @@
-"""``peftckpt`` command line: ``train`` / ``eval`` (under torchrun or alone) and the offline checkpoint tools."""
+"""``peftckpt`` command line: ``train`` / ``eval`` (under torchrun or alone) and the offline checkpoint tools.
+
+The library modules hold no argparse and no text rendering: the commands' parsers and output live in this
+package (one module per tool family); the trainer's flags are in :mod:`peftckpt.train.args`."""
 
 from __future__ import annotations
 
@@ -13,16 +16,16 @@ __all__ = ["main", "COMMANDS"]
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("peftckpt.cli", "_train", "train a GPT (+ LoRA) with TP x PP x DP; under torchrun for >1 process"),
     "eval": ("peftckpt.train.evaluate", "eval_main", "mean next-token loss of a base (+ adapter) on --data-path"),
-    "verify": ("peftckpt.checkpoint.verify", "verify_main", "check a checkpoint's files against its manifest"),
-    "inspect": ("peftckpt.checkpoint.inspect_cli", "inspect_main",
+    "verify": ("peftckpt.cli.verify", "verify_main", "check a checkpoint's files against its manifest"),
+    "inspect": ("peftckpt.cli.inspect", "inspect_main",
                 "sections, keys, shapes, layout, commit state and sizes of a checkpoint"),
-    "import-hf": ("peftckpt.interop.commands", "import_hf_main",
+    "import-hf": ("peftckpt.cli.interop", "import_hf_main",
                   "HF Llama model directory -> full torch_dist base checkpoint"),
-    "export-hf": ("peftckpt.interop.commands", "export_hf_main",
+    "export-hf": ("peftckpt.cli.interop", "export_hf_main",
                   "base (+ adapter merged) -> HF Llama model directory"),
-    "export-peft": ("peftckpt.interop.commands", "export_peft_main",
+    "export-peft": ("peftckpt.cli.interop", "export_peft_main",
                     "adapter checkpoint -> HF PEFT LoRA adapter directory"),
-    "import-peft": ("peftckpt.interop.commands", "import_peft_main",
+    "import-peft": ("peftckpt.cli.interop", "import_peft_main",
                     "HF PEFT LoRA adapter directory -> adapter checkpoint for train --load"),
 }
 
@@ -35,7 +38,7 @@ def _usage() -> str:
 
 
 def _train(argv: Sequence[str]) -> int:
-    from .train.args import ArgumentError, parse_train_args
+    from ..train.args import ArgumentError, parse_train_args
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -45,7 +48,7 @@ def _train(argv: Sequence[str]) -> int:
         if rank == 0:
             print(f"peftckpt train: error: {e}", file=sys.stderr)
         return 2
-    from .train.run import exit_multi_rank, run_training
+    from ..train.run import exit_multi_rank, run_training
 
     return exit_multi_rank(run_training(args, world_size, rank), world_size)
 

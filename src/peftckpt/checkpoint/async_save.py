@@ -1,0 +1,76 @@
+"""Async saves: what training may touch while the background write runs, and the handle of a save in flight.
+
+Training is blocked only for :func:`host_copy`; DCP plans and writes in a thread of its own, and the
+checkpoint is committed (:mod:`~peftckpt.checkpoint.commit`) once every rank finished writing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..sharding.entries import GlobalTensor
+from .commit import PendingCommit
+from .errors import CheckpointError
+
+__all__ = ["PendingSave", "host_copy"]
+
+
+class PendingSave:
+    """An async save (:meth:`~peftckpt.checkpoint.api.Checkpointer.async_save`): training goes on while it is
+    written.
+
+    :meth:`result` waits for it, commits it (collective, like every checkpointer call: every rank calls it)
+    and returns the committed directory, or raises why it failed. The next save or load and the
+    checkpointer's ``wait``, ``poll`` and ``close`` commit it too; :meth:`result` then answers at once.
+    """
+
+    def __init__(self, commit: PendingCommit, finish: Callable[[PendingCommit], None]):
+        self._commit = commit
+        self._finish = finish
+        """Waits for and commits ``commit`` if it is still the checkpointer's save in flight."""
+        self.path = commit.save / f"iter_{commit.iteration:07d}"
+        """Where it is committed (it does not exist before)."""
+
+    def done(self) -> bool:
+        """Committed or failed (this rank's view; no collective)."""
+        return self._commit.committed or self._commit.error is not None
+
+    def result(self) -> Path:
+        if not self.done():
+            self._finish(self._commit)
+        if self._commit.error is not None:
+            raise self._commit.error
+        if not self._commit.committed:
+            raise CheckpointError(f"the async save of iteration {self._commit.iteration} was never committed")
+        return self.path
+
+
+def host_copy(flat: Mapping[str, Any], previous: Mapping[str, GlobalTensor]
+              ) -> tuple[dict[str, Any], dict[str, GlobalTensor], Callable[[], None]]:
+    """The entries of an async save, safe to write while training goes on; the host buffers they use; and a
+    check to run once they are written.
+
+    Tensors training updates in place (trainable parameters, optimizer state, buffers) are copied into host
+    buffers, reusing ``previous`` ones (the last async save's, free again: at most one save is in flight;
+    they stay allocated between saves, the size of the copied state). Frozen parameters are written from
+    live memory -- training never writes to them, and with a frozen base they are most of the bytes -- and
+    the check raises if any of them was modified in place before the write ended (the save is then
+    discarded, the previous checkpoint kept). Other values are deep-copied."""
+    buffers = {k: v.snapshot(previous.get(k)) for k, v in flat.items() if isinstance(v, GlobalTensor) and not v.frozen}
+    versions = [(k, p.tensor, p.tensor._version) for k, v in flat.items() if isinstance(v, GlobalTensor)
+                and v.frozen for p in v.pieces]
+    state = {k: v if isinstance(v, GlobalTensor) and v.frozen else
+             buffers[k] if isinstance(v, GlobalTensor) else copy.deepcopy(v) for k, v in flat.items()}
+
+    def check_frozen_unchanged() -> None:
+        changed = sorted({k for k, t, version in versions if t._version != version})
+        if changed:
+            raise CheckpointError(
+                f"{len(changed)} frozen parameter(s) were modified in place while an async save was writing "
+                f"them ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}): the save is discarded. "
+                "Keep frozen weights unchanged (e.g. merge_lora) until Checkpointer.wait() returns")
+
+    return state, buffers, check_frozen_unchanged

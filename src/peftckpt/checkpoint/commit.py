@@ -1,0 +1,141 @@
+"""Steps 4 and 5 of a save: the commit of a fully written staging directory.
+
+Every rank checksums its own files; rank 0 gathers them with the key records, refuses a checkpoint that is not
+whole (:func:`~peftckpt.checkpoint.integrity.storage_problems`), writes the manifest, renames staging to
+``iter_XXXXXXX`` and moves the tracker (:func:`~peftckpt.checkpoint.storage_layout.commit_staging`), then
+applies retention. A failure says exactly what it left committed and where the tracker points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checksums import ChecksummingFileSystem, checksum_files
+from .collectives import Collectives
+from .errors import CheckpointError, CheckpointIntegrityError
+from .faults import fault_point
+from .integrity import DCP_METADATA_FILENAME, storage_problems
+from .legacy import rank_file
+from .manifest import Manifest
+from .options import SaveOptions
+from .safe_pickle import load_dcp_metadata
+from .storage_layout import apply_retention, commit_staging, read_tracker
+from .trainable import TORCH, TORCH_DIST
+
+__all__ = ["PendingCommit", "commit_checkpoint", "commit_outcome"]
+
+
+@dataclass
+class PendingCommit:
+    """A written (or being written) checkpoint and everything its manifest records."""
+
+    save: Path
+    staging: Path
+    iteration: int
+    options: SaveOptions
+    kept: dict[str, Any]
+    """This rank's records of the model tensors it saved, and of those it left out (trainable-only)."""
+    excluded: dict[str, Any]
+    sections: list[str]
+    fingerprint: str | None
+    layout: dict[str, int]
+    coords: dict[str, int]
+    model_config: dict[str, Any]
+    adapter_config: dict[str, Any] | None
+    args: dict[str, Any] = field(default_factory=dict)
+    future: Future[Any] | None = None
+    """The background write of an async save."""
+    checksums: ChecksummingFileSystem | None = None
+    """Digests of the DCP files, taken while they were written."""
+    committed: bool = False
+    error: BaseException | None = None
+    """Why the save failed (an async save's handle raises it again)."""
+
+
+def commit_outcome(c: PendingCommit, reached: Sequence[str]) -> str:
+    """What a commit that failed after the steps in ``reached`` left committed (see ``commit_staging``)."""
+    final = c.save / f"iter_{c.iteration:07d}"
+    if "tracker" in reached:
+        return (f"iteration {c.iteration} was committed as {final} and the tracker names it; only deleting "
+                "older checkpoints (--keep-last-k) failed")
+    if "renamed" in reached:
+        try:
+            tracked = f"names iteration {read_tracker(c.save)}"
+        except CheckpointError as e:
+            tracked = f"is unreadable ({e})"
+        return (f"iteration {c.iteration} was committed as {final}, but the tracker was not moved to it: it "
+                f"still {tracked}; a load of {c.save} follows the tracker")
+    return ("nothing was committed (no iter_* directory was renamed): the previously committed checkpoint and "
+            "the tracker are unchanged")
+
+
+def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
+    """Checksums, whole-checkpoint check, manifest, rename, tracker, retention (collective)."""
+    error: BaseException | None = None
+    mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded)
+    try:
+        if c.options.ckpt_format == TORCH:
+            own = rank_file(c.staging, c.coords, c.layout)
+            written = [own] if own.is_file() and c.coords.get("dp", 0) == 0 else []
+        else:
+            written = sorted(c.staging.glob(f"__{comm.rank}_*"))
+        checksum = checksum_files if c.checksums is None else c.checksums.checksums
+        mine = (checksum(written, c.staging), c.kept, c.excluded)
+    except OSError as e:  # e.g. the staging directory vanished: agreed below, never a hang in the gather
+        error = e
+    comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed")
+    records = comm.gather(mine)
+    fault_point("before_manifest", comm.rank, c.iteration)
+    reached: list[str] = []
+    try:
+        if comm.rank == 0:
+            manifest = build_manifest(c, records)
+            steps = {"manifest_written": "before_rename", "renamed": "before_tracker"}
+
+            def on_step(step: str) -> None:
+                reached.append(step)
+                fault_point(steps[step], comm.rank, c.iteration)
+
+            final = commit_staging(c.staging, c.save, c.iteration, manifest.to_json(), on_step=on_step)
+            reached.append("tracker")
+            if c.options.keep_last_k:
+                apply_retention(c.save, c.options.keep_last_k, protect=[final])
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed",
+               outcome=None if error is None else commit_outcome(c, reached))
+    c.committed = True
+
+
+def build_manifest(c: PendingCommit, records: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]
+                   ) -> Manifest:
+    """The manifest of a fully written staging directory (rank 0), refused if the checkpoint is not whole."""
+    files: dict[str, Any] = {}
+    saved_keys: dict[str, Any] = {}
+    excluded_keys: dict[str, Any] = {}
+    for f, k, x in records:
+        files.update(f)
+        saved_keys.update(k)
+        excluded_keys.update(x)
+    checksum = checksum_files if c.checksums is None else c.checksums.checksums
+    others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix() not in files]
+    files.update(checksum(others, c.staging))
+    if c.options.ckpt_format == TORCH_DIST:
+        try:
+            metadata = load_dcp_metadata(c.staging / DCP_METADATA_FILENAME)
+            problems = storage_problems(c.staging, metadata, files, saved_keys)
+        except CheckpointError as e:  # e.g. the staging directory was removed under the save
+            problems = [str(e)]
+        if problems:
+            raise CheckpointIntegrityError("the written checkpoint is not whole, so it is not committed:\n  "
+                                           + "\n  ".join(problems))
+    return Manifest(
+        format=c.options.ckpt_format, iteration=c.iteration, sections=c.sections, layout=c.layout,
+        model_config=c.model_config, trainable_only=c.options.trainable_only, saved_keys=saved_keys,
+        excluded_keys=excluded_keys, adapter_config=c.adapter_config, base_fingerprint=c.fingerprint,
+        files=files, args=c.args,
+    )

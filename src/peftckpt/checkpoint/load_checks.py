@@ -1,0 +1,63 @@
+"""Load-time checks of a checkpoint against the model: each returns the one error to raise (or ``None``), so the
+caller can agree on it across ranks before anything is read."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..sharding.entries import GlobalTensor
+from .errors import CheckpointIntegrityError, CheckpointMismatchError
+from .manifest import Manifest
+
+__all__ = ["architecture_mismatch", "base_mismatch", "damaged", "shape_mismatch"]
+
+
+def damaged(ckpt: Path, problems: list[str], after_read: bool = False) -> CheckpointIntegrityError | None:
+    """Every rank's damaged-file ``problems`` as one error, or ``None``."""
+    if not problems:
+        return None
+    return CheckpointIntegrityError(
+        f"checkpoint {ckpt} is damaged:\n  " + "\n  ".join(problems)
+        + ("\n(--no-verify-checksums skips the checksums)" if any("checksum mismatch" in p for p in problems) else "")
+        + ("\nits data files were checked while they were read, so the model and optimizer may hold "
+           "values from them: load again from an intact checkpoint" if after_read else ""))
+
+
+def architecture_mismatch(model_config: Mapping[str, Any], manifest: Manifest, ckpt: Path
+                          ) -> CheckpointMismatchError | None:
+    """The architecture keys both know whose values differ."""
+    diffs = [f"  {k}: checkpoint {manifest.model_config.get(k)!r}, model {v!r}"
+             for k, v in model_config.items() if k in manifest.model_config and manifest.model_config[k] != v]
+    if not diffs:
+        return None
+    return CheckpointMismatchError(f"checkpoint {ckpt} was saved for a different architecture:\n"
+                                   + "\n".join(diffs) + "\nfix the model flags to match the checkpoint")
+
+
+def base_mismatch(manifest: Manifest, mine: str, ckpt: Path) -> CheckpointMismatchError | None:
+    """An adapter checkpoint whose recorded base fingerprint is not this model's (``mine``)."""
+    if not manifest.base_fingerprint or manifest.base_fingerprint == mine:
+        return None
+    return CheckpointMismatchError(
+        f"adapter checkpoint {ckpt} was trained on a different base model:\n"
+        f"  base fingerprint in the checkpoint: {manifest.base_fingerprint}\n"
+        f"  base fingerprint of this model:     {mine}\n"
+        "load the matching --pretrained-checkpoint, or pass --no-verify-base to override")
+
+
+def shape_mismatch(request: Mapping[str, Any], metadata: Any, ckpt: Path) -> CheckpointMismatchError | None:
+    """The requested tensors that ``ckpt`` stores with another global shape, as one error (or ``None``)."""
+    stored = metadata.state_dict_metadata
+    diffs = [f"  {k}: checkpoint {list(stored[k].size)}, model {list(v.global_shape)}"
+             for k, v in sorted(request.items()) if isinstance(v, GlobalTensor)
+             and isinstance(stored.get(k), TensorStorageMetadata) and list(stored[k].size) != list(v.global_shape)]
+    if not diffs:
+        return None
+    return CheckpointMismatchError(
+        f"checkpoint {ckpt} stores {len(diffs)} tensor(s) with another shape than this model's:\n"
+        + "\n".join(diffs[:10]) + ("\n  ..." if len(diffs) > 10 else "")
+        + "\nthe model flags (architecture, --lora-rank, --lora-target-modules) must match the checkpoint's")

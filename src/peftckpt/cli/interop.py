@@ -1,0 +1,86 @@
+"""Command lines of the interop tools: ``peftckpt import-hf | export-hf | export-peft | import-peft``.
+
+Exit codes: 0 done, 1 a refused input (one message naming the file, key or flag; nothing written), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..checkpoint.errors import CheckpointError
+from ..interop.commands import export_hf, export_peft, import_hf, import_peft
+from ..interop.hf_llama import InteropError
+
+__all__ = ["import_hf_main", "export_hf_main", "export_peft_main", "import_peft_main"]
+
+
+def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str], action: Any) -> int:
+    args = parser.parse_args(list(argv))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP's single-process notices
+            result = action(args)
+    except (InteropError, CheckpointError) as e:
+        print(f"peftckpt {prog}: error: {e}", file=sys.stderr)
+        return 1
+    print(result)
+    return 0
+
+
+def import_hf_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="peftckpt import-hf", description=(
+        "Convert an HF Llama model directory (config.json + safetensors, sharded or not) into a full torch_dist "
+        "base checkpoint, usable as --pretrained-checkpoint at any TP/PP. `train` reads the architecture from it."))
+    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("out", metavar="OUT", help="new save directory (must not exist or be empty)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="store the base in this dtype (default: each tensor's dtype in the HF files)")
+    return _run("import-hf", p, argv, lambda a: (
+        f"imported {a.hf_dir} -> {import_hf(a.hf_dir, a.out, getattr(torch, a.dtype) if a.dtype else None)}"))
+
+
+def import_peft_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="peftckpt import-peft", description=(
+        "Convert an HF PEFT LoRA adapter (targets among q/k/v/o/gate/up/down_proj) into an adapter-only "
+        "checkpoint (iteration 0, per-projection adapters) that `train --load` resumes from."))
+    p.add_argument("peft_dir", metavar="PEFT_DIR")
+    p.add_argument("out", metavar="OUT", help="new save directory (must not exist or be empty)")
+    p.add_argument("--base", required=True, help="the base the adapter belongs to: an HF Llama directory or a full "
+                   "checkpoint (see import-hf)")
+    p.add_argument("--no-verify-checksums", action="store_true")
+    return _run("import-peft", p, argv, lambda a: (
+        f"imported {a.peft_dir} -> {import_peft(a.peft_dir, a.out, a.base, not a.no_verify_checksums)}"))
+
+
+def export_peft_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="peftckpt export-peft", description=(
+        "Export the LoRA adapter of a checkpoint (saved at any layout) as an HF PEFT adapter directory "
+        "(adapter_model.safetensors + adapter_config.json) for peft.PeftModel.from_pretrained."))
+    p.add_argument("ckpt", metavar="CKPT", help="save directory or checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="new directory (must not exist or be empty)")
+    p.add_argument("--base-model-name-or-path", default=None, help="recorded in adapter_config.json")
+    p.add_argument("--no-verify-checksums", action="store_true")
+    return _run("export-peft", p, argv, lambda a: (
+        f"exported {export_peft(a.ckpt, a.out, a.base_model_name_or_path, not a.no_verify_checksums)}"))
+
+
+def export_hf_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="peftckpt export-hf", description=(
+        "Export a checkpoint as an HF Llama model directory, LoRA adapters merged into the weights. An "
+        "adapter-only checkpoint needs its base (--base, default: the --pretrained-checkpoint it was trained on)."))
+    p.add_argument("ckpt", metavar="CKPT", help="save directory or checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="new directory (must not exist or be empty)")
+    p.add_argument("--base", default=None, help="the base of an adapter-only CKPT: a full checkpoint or an HF "
+                   "Llama directory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--no-verify-base", action="store_true", help="merge even if the base fingerprint differs")
+    p.add_argument("--no-verify-checksums", action="store_true")
+    return _run("export-hf", p, argv, lambda a: (
+        "exported " + str(export_hf(a.ckpt, a.out, a.base, not a.no_verify_base, not a.no_verify_checksums,
+                                    getattr(torch, a.dtype)))))

@@ -1,0 +1,56 @@
+"""``peftckpt verify DIR [--json]``: exit 0 intact, 1 problems found (one line each), 2 usage error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.verify import verify_checkpoint
+
+__all__ = ["verify_main"]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peftckpt verify",
+        description="Check a checkpoint offline: manifest, file sizes and checksums, DCP metadata.",
+    )
+    parser.add_argument(
+        "dir", metavar="DIR", help="a save directory (uses its tracker) or an iter_* directory"
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON report on stdout")
+    return parser
+
+
+def verify_main(argv: list[str] | None = None) -> int:
+    """``peftckpt verify DIR [--json]``. Exit code: 0 intact, 1 problems found, 2 usage error."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return exc.code if isinstance(exc.code, int) else 2
+    target = Path(args.dir)
+    if not target.exists():
+        print(f"peftckpt verify: error: DIR {target} does not exist", file=sys.stderr)
+        return 2
+    try:
+        report = verify_checkpoint(target)
+    except CheckpointError as exc:
+        if args.json:
+            print(json.dumps({"path": str(target), "ok": False, "problems": [str(exc)]}, indent=2))
+        print(f"peftckpt verify: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    if report.ok:
+        if not args.json:
+            mib = report.total_bytes / 2**20
+            print(f"OK {report.path} (iteration {report.iteration}, {report.num_files} files, {mib:.1f} MiB)")
+        return 0
+    for problem in report.problems:
+        print(problem, file=sys.stderr)
+    print(f"FAILED {report.path}: {len(report.problems)} problem(s)", file=sys.stderr)
+    return 1
