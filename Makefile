@@ -32,7 +32,7 @@ bench-scale: venv
 	$(BIN)/python bench/scale_bench.py
 
 lint: venv
-	$(BIN)/ruff check src tests scripts bench
+	$(BIN)/ruff check src tests scripts bench examples
 	$(BIN)/mypy
 
 clean:
