@@ -1,9 +1,11 @@
 """The library on real ranks (one spawn of 2): the layout from a named DeviceMesh, an explicit process group
-that leaves other ranks out, and per-rank states (each rank restores its own; a job with more ranks than
-the save restores rank 0's, said once)."""
+that leaves other ranks out, per-rank states (each rank restores its own; a job with more ranks than the
+save restores rank 0's, said once), and a rank's shard that never reaches disk refused at the commit,
+naming the rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -13,9 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from peftckpt import Checkpointer, CheckpointError, SaveOptions
+from peftckpt.checkpoint import api
 
 from .harness import run_distributed
 
@@ -78,7 +83,32 @@ def _worker(rank: int, world: int, root: str, single: str) -> dict[str, Any]:
         Checkpointer(model, states={"counter": counter}).load(single)
     out["borrowed"] = counter.value
     out["warnings"] = [str(w.message) for w in caught if "fewer ranks" in str(w.message)]
-    # 5. a state the checkpoint lacks: one agreed error on every rank
+    # 5. the peers' lost-shard bug: rank 1's piece of a sharded adapter never reaches the checkpoint (here a
+    # planner that drops it). The commit refuses, naming the key, the region and the rank; nothing moves.
+    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    sharded = parallelize_module(nn.Sequential(nn.Linear(4, 8)), tp, {"0": ColwiseParallel()})
+    with Checkpointer(sharded, mesh=tp) as ckpt:
+        ckpt.save(Path(root) / "lost", 1, options=SaveOptions(trainable_only=True))
+
+        class Dropping(api.EntrySavePlanner):
+            def create_local_plan(self) -> SavePlan:
+                plan = super().create_local_plan()
+                if rank == 1:
+                    plan = dataclasses.replace(plan, items=[i for i in plan.items if i.index.fqn != "model.0.weight"])
+                    self.plan = plan
+                return plan
+
+        original, api.EntrySavePlanner = api.EntrySavePlanner, Dropping  # type: ignore[misc]
+        try:
+            ckpt.save(Path(root) / "lost", 2, options=SaveOptions(trainable_only=True))
+            out["lost"] = None
+        except CheckpointError as e:
+            out["lost"] = str(e)
+        finally:
+            api.EntrySavePlanner = original  # type: ignore[misc]
+    out["lost_tracker"] = (Path(root) / "lost" / "latest_checkpointed_iteration.txt").read_text().strip()
+    # 6. a state the checkpoint lacks: one agreed error on every rank
     try:
         Checkpointer(model, states={"counter": counter, "loader": Counter(0)}).load(Path(root) / "states")
         out["missing"] = None
@@ -100,5 +130,10 @@ def test_mesh_layouts_process_groups_and_per_rank_states(tmp_path: Path) -> None
         assert r["own"] == 100 + rank
         assert r["borrowed"] == 7
         assert r["missing"] is not None and "holds no state for 'loader'" in r["missing"]
+        assert r["lost"] is not None and "not whole, so it is not committed" in r["lost"], r["lost"]
+        assert "'model.0.weight': its chunks cover 16 of 32 elements" in r["lost"]
+        assert "'model.0.weight': the piece at offsets [4, 0] of size [4, 4], held by rank(s) 1, never reached " \
+               "the checkpoint" in r["lost"]
+        assert "nothing was committed" in r["lost"] and r["lost_tracker"] == "1"
     assert results[0]["alone_layout"] == {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}
     assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == []

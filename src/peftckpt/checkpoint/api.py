@@ -275,8 +275,10 @@ class Checkpointer:
         sections = model_section_names(len(self.chunks)) + (
             [OPTIMIZER] if options.save_optim and self.optimizer is not None else []) + (
             [RNG_STATE] if options.save_rng else []) + object_names
+        pieces = {k: [(list(p.offsets), list(p.tensor.shape)) for p in v.pieces] for k, v in flat.items()
+                  if isinstance(v, GlobalTensor)}
         commit = PendingCommit(save=save, staging=staging, iteration=iteration, options=options, kept=kept,
-                               excluded=excluded, sections=sections, fingerprint=fingerprint, layout=self.layout,
+                               excluded=excluded, pieces=pieces, sections=sections, fingerprint=fingerprint, layout=self.layout,
                                coords=self.coords, model_config=self.model_config,
                                adapter_config=self.adapter_config, args=dict(args or {}))
         try:

@@ -18,7 +18,7 @@ from .checksums import ChecksummingFileSystem, checksum_files
 from .collectives import Collectives
 from .errors import CheckpointError, CheckpointIntegrityError
 from .faults import fault_point
-from .integrity import DCP_METADATA_FILENAME, storage_problems
+from .integrity import DCP_METADATA_FILENAME, storage_problems, unwritten_pieces
 from .legacy import rank_file
 from .manifest import Manifest
 from .options import SaveOptions
@@ -40,6 +40,8 @@ class PendingCommit:
     kept: dict[str, Any]
     """This rank's records of the model tensors it saved, and of those it left out (trainable-only)."""
     excluded: dict[str, Any]
+    pieces: dict[str, list[tuple[list[int], list[int]]]]
+    """This rank's pieces (offsets, sizes) of every tensor it writes: what the commit expects to find stored."""
     sections: list[str]
     fingerprint: str | None
     layout: dict[str, int]
@@ -76,7 +78,7 @@ def commit_outcome(c: PendingCommit, reached: Sequence[str]) -> str:
 def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
     """Checksums, whole-checkpoint check, manifest, rename, tracker, retention (collective)."""
     error: BaseException | None = None
-    mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded)
+    mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded, c.pieces)
     try:
         if c.options.ckpt_format == TORCH:
             own = rank_file(c.staging, c.coords, c.layout)
@@ -84,7 +86,7 @@ def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
         else:
             written = sorted(c.staging.glob(f"__{comm.rank}_*"))
         checksum = checksum_files if c.checksums is None else c.checksums.checksums
-        mine = (checksum(written, c.staging), c.kept, c.excluded)
+        mine = (checksum(written, c.staging), c.kept, c.excluded, c.pieces)
     except OSError as e:  # e.g. the staging directory vanished: agreed below, never a hang in the gather
         error = e
     comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed")
@@ -111,23 +113,27 @@ def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
     c.committed = True
 
 
-def build_manifest(c: PendingCommit, records: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]
-                   ) -> Manifest:
-    """The manifest of a fully written staging directory (rank 0), refused if the checkpoint is not whole."""
+def build_manifest(c: PendingCommit,
+                   records: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]) -> Manifest:
+    """The manifest of a fully written staging directory (rank 0), refused if the checkpoint is not whole:
+    every stored tensor tiled exactly once, and every piece a rank held stored (naming the rank if not)."""
     files: dict[str, Any] = {}
     saved_keys: dict[str, Any] = {}
     excluded_keys: dict[str, Any] = {}
-    for f, k, x in records:
+    held: dict[str, list[tuple[int, list[int], list[int]]]] = {}
+    for rank, (f, k, x, pieces) in enumerate(records):
         files.update(f)
         saved_keys.update(k)
         excluded_keys.update(x)
+        for key, boxes in pieces.items():
+            held.setdefault(key, []).extend((rank, offsets, sizes) for offsets, sizes in boxes)
     checksum = checksum_files if c.checksums is None else c.checksums.checksums
     others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix() not in files]
     files.update(checksum(others, c.staging))
     if c.options.ckpt_format == TORCH_DIST:
         try:
             metadata = load_dcp_metadata(c.staging / DCP_METADATA_FILENAME)
-            problems = storage_problems(c.staging, metadata, files, saved_keys)
+            problems = storage_problems(c.staging, metadata, files, saved_keys) + unwritten_pieces(metadata, held)
         except CheckpointError as e:  # e.g. the staging directory was removed under the save
             problems = [str(e)]
         if problems:

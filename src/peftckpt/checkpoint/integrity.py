@@ -40,7 +40,8 @@ from peftckpt.checkpoint.manifest import Manifest
 from peftckpt.checkpoint.paths import recorded_file_problem, relpath_problem
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 
-__all__ = ["DCP_METADATA_FILENAME", "dcp_problems", "storage_problems", "coverage_problem", "key_record_problems"]
+__all__ = ["DCP_METADATA_FILENAME", "dcp_problems", "storage_problems", "coverage_problem", "key_record_problems",
+           "unwritten_pieces"]
 
 DCP_METADATA_FILENAME = ".metadata"
 """DCP's global metadata file inside a ``torch_dist`` checkpoint directory."""
@@ -196,6 +197,31 @@ def storage_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping
     if len(problems) > _MAX_REPORTED:
         problems = problems[:_MAX_REPORTED] + [f"... and {len(problems) - _MAX_REPORTED} more problem(s)"]
     return problems
+
+
+def _overlap(oa: Sequence[int], sa: Sequence[int], ob: Sequence[int], sb: Sequence[int]) -> int:
+    """Elements two boxes share."""
+    return math.prod(max(0, min(a + n, b + m) - max(a, b)) for a, n, b, m in zip(oa, sa, ob, sb))
+
+
+def unwritten_pieces(metadata: Metadata, held: Mapping[str, Sequence[tuple[int, Sequence[int], Sequence[int]]]]
+                     ) -> list[str]:
+    """At commit time: the pieces ranks held -- and so should have written -- that no stored chunk covers,
+    each naming its key, its region and the rank(s) that held it (``held``: ``{key: [(rank, offsets,
+    sizes), ...]}``). The stored chunks of a key never overlap (else :func:`coverage_problem` refuses it
+    first), so summing overlaps measures coverage exactly."""
+    entries = getattr(metadata, "state_dict_metadata", {})
+    missing: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for key, pieces in sorted(held.items()):
+        md = entries.get(key)
+        stored = [(list(c.offsets), list(c.sizes)) for c in md.chunks] if isinstance(md, TensorStorageMetadata) else []
+        for rank, offsets, sizes in pieces:
+            volume = math.prod(sizes)
+            if volume and sum(_overlap(offsets, sizes, o, s) for o, s in stored) < volume:
+                missing.setdefault((key, tuple(offsets), tuple(sizes)), []).append(rank)
+    return [f"{key!r}: the piece at offsets {list(offsets)} of size {list(sizes)}, held by rank(s) "
+            f"{', '.join(map(str, sorted(set(ranks))))}, never reached the checkpoint"
+            for (key, offsets, sizes), ranks in missing.items()]
 
 
 def dcp_problems(ckpt_dir: Path, manifest: Manifest) -> list[str]:
