@@ -18,6 +18,8 @@ from peftckpt.checkpoint.inspect import (
 from peftckpt.checkpoint.sections import MODEL, OPTIMIZER, RNG_STATE
 from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME, TRACKER_FILENAME
 
+from .parsing import parse_or_exit_code
+
 __all__ = ["render_text", "inspect_main"]
 
 _SECTION_ORDER = (MODEL, OPTIMIZER, RNG_STATE)
@@ -183,11 +185,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def inspect_main(argv: list[str] | None = None) -> int:
     """``peftckpt inspect DIR [--keys] [--json] [--no-verify-checksums]``; returns the exit code."""
-    parser = _build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse_or_exit_code(_build_parser(), argv)
+    if isinstance(args, int):
+        return args
     try:
         report = inspect_path(args.dir, verify_checksums=args.verify_checksums)
     except CheckpointError as exc:  # only a bad DIR gets here

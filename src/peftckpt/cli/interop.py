@@ -33,12 +33,22 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str], action
     return 0
 
 
+def _parser(command: str, description: str, source: str, source_help: str | None = None,
+            checksums: bool = True) -> argparse.ArgumentParser:
+    """A tool's parser with its two positionals (what it reads, the new directory it writes) and, for tools
+    that read a checkpoint, ``--no-verify-checksums``."""
+    p = argparse.ArgumentParser(prog=f"peftckpt {command}", description=description)
+    p.add_argument(source.lower(), metavar=source, help=source_help)
+    p.add_argument("out", metavar="OUT", help="new directory (must not exist or be empty)")
+    if checksums:
+        p.add_argument("--no-verify-checksums", action="store_true", help="do not re-hash the checkpoint's files")
+    return p
+
+
 def import_hf_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="peftckpt import-hf", description=(
-        "Convert an HF Llama model directory (config.json + safetensors, sharded or not) into a full torch_dist "
-        "base checkpoint, usable as --pretrained-checkpoint at any TP/PP. `train` reads the architecture from it."))
-    p.add_argument("hf_dir", metavar="HF_DIR")
-    p.add_argument("out", metavar="OUT", help="new save directory (must not exist or be empty)")
+    p = _parser("import-hf", "Convert an HF Llama model directory (config.json + safetensors, sharded or not) into "
+                "a full torch_dist base checkpoint, usable as --pretrained-checkpoint at any TP/PP. `train` reads the "
+                "architecture from it.", "HF_DIR", checksums=False)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="store the base in this dtype (default: each tensor's dtype in the HF files)")
     return _run("import-hf", p, argv, lambda a: (
@@ -46,41 +56,32 @@ def import_hf_main(argv: Sequence[str]) -> int:
 
 
 def import_peft_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="peftckpt import-peft", description=(
-        "Convert an HF PEFT LoRA adapter (targets among q/k/v/o/gate/up/down_proj) into an adapter-only "
-        "checkpoint (iteration 0, per-projection adapters) that `train --load` resumes from."))
-    p.add_argument("peft_dir", metavar="PEFT_DIR")
-    p.add_argument("out", metavar="OUT", help="new save directory (must not exist or be empty)")
+    p = _parser("import-peft", "Convert an HF PEFT LoRA adapter (targets among q/k/v/o/gate/up/down_proj) into an "
+                "adapter-only checkpoint (iteration 0, per-projection adapters) that `train --load` resumes from.",
+                "PEFT_DIR")
     p.add_argument("--base", required=True, help="the base the adapter belongs to: an HF Llama directory or a full "
                    "checkpoint (see import-hf)")
-    p.add_argument("--no-verify-checksums", action="store_true")
     return _run("import-peft", p, argv, lambda a: (
         f"imported {a.peft_dir} -> {import_peft(a.peft_dir, a.out, a.base, not a.no_verify_checksums)}"))
 
 
 def export_peft_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="peftckpt export-peft", description=(
-        "Export the LoRA adapter of a checkpoint (saved at any layout) as an HF PEFT adapter directory "
-        "(adapter_model.safetensors + adapter_config.json) for peft.PeftModel.from_pretrained."))
-    p.add_argument("ckpt", metavar="CKPT", help="save directory or checkpoint directory")
-    p.add_argument("out", metavar="OUT", help="new directory (must not exist or be empty)")
+    p = _parser("export-peft", "Export the LoRA adapter of a checkpoint (saved at any layout) as an HF PEFT adapter "
+                "directory (adapter_model.safetensors + adapter_config.json) for peft.PeftModel.from_pretrained.",
+                "CKPT", "save directory or checkpoint directory")
     p.add_argument("--base-model-name-or-path", default=None, help="recorded in adapter_config.json")
-    p.add_argument("--no-verify-checksums", action="store_true")
     return _run("export-peft", p, argv, lambda a: (
         f"exported {export_peft(a.ckpt, a.out, a.base_model_name_or_path, not a.no_verify_checksums)}"))
 
 
 def export_hf_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="peftckpt export-hf", description=(
-        "Export a checkpoint as an HF Llama model directory, LoRA adapters merged into the weights. An "
-        "adapter-only checkpoint needs its base (--base, default: the --pretrained-checkpoint it was trained on)."))
-    p.add_argument("ckpt", metavar="CKPT", help="save directory or checkpoint directory")
-    p.add_argument("out", metavar="OUT", help="new directory (must not exist or be empty)")
+    p = _parser("export-hf", "Export a checkpoint as an HF Llama model directory, LoRA adapters merged into the "
+                "weights. An adapter-only checkpoint needs its base (--base, default: the --pretrained-checkpoint it "
+                "was trained on).", "CKPT", "save directory or checkpoint directory")
     p.add_argument("--base", default=None, help="the base of an adapter-only CKPT: a full checkpoint or an HF "
                    "Llama directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--no-verify-base", action="store_true", help="merge even if the base fingerprint differs")
-    p.add_argument("--no-verify-checksums", action="store_true")
     return _run("export-hf", p, argv, lambda a: (
         "exported " + str(export_hf(a.ckpt, a.out, a.base, not a.no_verify_base, not a.no_verify_checksums,
                                     getattr(torch, a.dtype)))))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.verify import verify_checkpoint
+from .parsing import parse_or_exit_code
 
 __all__ = ["verify_main"]
 
@@ -27,11 +28,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def verify_main(argv: list[str] | None = None) -> int:
     """``peftckpt verify DIR [--json]``. Exit code: 0 intact, 1 problems found, 2 usage error."""
-    parser = _build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse_or_exit_code(_build_parser(), argv)
+    if isinstance(args, int):
+        return args
     target = Path(args.dir)
     if not target.exists():
         print(f"peftckpt verify: error: DIR {target} does not exist", file=sys.stderr)
