@@ -152,3 +152,11 @@ def test_train_help_pins_megatron_flag_names() -> None:
               for tok in line.split() if tok.startswith("--")}
     missing = [f for f in TRAIN_FLAGS if f not in listed]
     assert not missing, f"not in `peftckpt train --help`: {missing}"
+
+
+def test_hf_peft_target_names_are_aliases() -> None:
+    args = _parse(["--swiglu", "--lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj", "o_proj",
+                   "gate_proj", "up_proj", "down_proj", "linear_k"])
+    assert args.lora_target_modules == ["linear_q", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up",
+                                        "linear_fc2", "linear_k"]
+    assert "HF PEFT's names ['q_proj'" in _refused(["--lora-rank", "4", "--lora-target-modules", "qkv_proj"])

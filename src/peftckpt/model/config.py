@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GPTConfig", "LoRAConfig", "LORA_TARGETS", "LORA_PART_TARGETS", "ALL_LORA_TARGETS"]
+__all__ = ["GPTConfig", "LoRAConfig", "LORA_TARGETS", "LORA_PART_TARGETS", "ALL_LORA_TARGETS", "HF_LORA_TARGETS"]
 
 #: Linear layers LoRA can be attached to, by their Megatron module name (one adapter per fused GEMM).
 LORA_TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -18,6 +18,12 @@ LORA_PART_TARGETS: dict[str, tuple[str, str]] = {
     "linear_fc1_gate": ("linear_fc1", "gate"), "linear_fc1_up": ("linear_fc1", "up"),
 }
 ALL_LORA_TARGETS: tuple[str, ...] = LORA_TARGETS + tuple(LORA_PART_TARGETS)
+
+#: HF PEFT's names of the Llama projections, accepted as aliases of the targets above.
+HF_LORA_TARGETS: dict[str, str] = {
+    "q_proj": "linear_q", "k_proj": "linear_k", "v_proj": "linear_v", "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1_gate", "up_proj": "linear_fc1_up", "down_proj": "linear_fc2",
+}
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,8 @@ class LoRAConfig:
         unknown = [t for t in self.target_modules if t not in ALL_LORA_TARGETS]
         if unknown:
             raise ValueError(
-                f"--lora-target-modules: unknown target(s) {unknown}; choose from {list(ALL_LORA_TARGETS)}"
+                f"--lora-target-modules: unknown target(s) {unknown}; choose from {list(ALL_LORA_TARGETS)} "
+                f"(or HF PEFT's names {list(HF_LORA_TARGETS)})"
             )
         for t in self.target_modules:
             if t in LORA_PART_TARGETS and LORA_PART_TARGETS[t][0] in self.target_modules:

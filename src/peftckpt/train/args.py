@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.manifest import Manifest
-from ..model.config import ALL_LORA_TARGETS, LORA_PART_TARGETS, LORA_TARGETS, GPTConfig, LoRAConfig
+from ..model.config import (
+    ALL_LORA_TARGETS,
+    HF_LORA_TARGETS,
+    LORA_PART_TARGETS,
+    LORA_TARGETS,
+    GPTConfig,
+    LoRAConfig,
+)
 from ..parallel.dims import ParallelDims
 from .checkpoint_flags import add_checkpoint_args, validate_checkpoint_args
 from .errors import ArgumentError
@@ -49,8 +56,8 @@ def _add_lora(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-dropout", type=float, default=0.0)
     g.add_argument("--lora-target-modules", nargs="+", default=list(LORA_TARGETS), metavar="MODULE",
                    help=f"any of {' '.join(ALL_LORA_TARGETS)}; linear_q/k/v and linear_fc1_gate/up give "
-                   "the parts of the fused layers an adapter each, as HF PEFT has (default: "
-                   f"{' '.join(LORA_TARGETS)})")
+                   "the parts of the fused layers an adapter each, as HF PEFT has; HF PEFT's names "
+                   f"({' '.join(HF_LORA_TARGETS)}) are accepted too (default: {' '.join(LORA_TARGETS)})")
     g.add_argument("--lora-layers", nargs="+", type=int, default=None, metavar="N",
                    help="global layer numbers that get adapters (default: all)")
     g.add_argument("--lora-train-params", nargs="+", default=[], metavar="NAME",
@@ -155,6 +162,7 @@ def parallel_dims(args: argparse.Namespace, world_size: int) -> ParallelDims:
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
     """Refuse every flag combination that cannot work (``ArgumentError`` naming the flags)."""
+    args.lora_target_modules = [HF_LORA_TARGETS.get(t, t) for t in args.lora_target_modules]  # q_proj -> linear_q
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     try:
