@@ -95,7 +95,13 @@ def test_tools_take_an_hf_directory_as_base(lora_run: Path, hf_dir: Path, base: 
         merged[name] = load_file(str(tmp_path / f"merged-{name}" / "model.safetensors"))
     assert sorted(merged["hf"]) == sorted(merged["imported"])
     assert all(torch.equal(merged["hf"][k], merged["imported"][k]) for k in merged["hf"])
-    peftckpt(["export-peft", str(lora_run), str(tmp_path / "peft")])
+    done = peftckpt(["export-peft", str(lora_run), str(tmp_path / "peft")])
+    # the adapter was trained on import-hf's base: its HF directory is recorded, files world-readable (#16)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(hf_dir.absolute())
+    assert f"(base_model_name_or_path: {hf_dir.absolute()})" in done.stdout
+    for f in (tmp_path / "peft").iterdir():
+        assert f.stat().st_mode & 0o644 == 0o644, f
     adapters = {}
     for name, source in (("hf", hf_dir), ("imported", base)):
         out = tmp_path / f"adapter-{name}"

@@ -6,6 +6,7 @@ Exit codes: 0 done, 1 a refused input (one message naming the file, key or flag;
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
 from collections.abc import Sequence
@@ -69,9 +70,15 @@ def export_peft_main(argv: Sequence[str]) -> int:
     p = _parser("export-peft", "Export the LoRA adapter of a checkpoint (saved at any layout) as an HF PEFT adapter "
                 "directory (adapter_model.safetensors + adapter_config.json) for peft.PeftModel.from_pretrained.",
                 "CKPT", "save directory or checkpoint directory")
-    p.add_argument("--base-model-name-or-path", default=None, help="recorded in adapter_config.json")
-    return _run("export-peft", p, argv, lambda a: (
-        f"exported {export_peft(a.ckpt, a.out, a.base_model_name_or_path, not a.no_verify_checksums)}"))
+    p.add_argument("--base-model-name-or-path", default=None, help="recorded in adapter_config.json (default: the "
+                   "HF directory the base came from, when the checkpoint's records name one)")
+    def action(a: argparse.Namespace) -> str:
+        out = export_peft(a.ckpt, a.out, a.base_model_name_or_path, not a.no_verify_checksums)
+        base = json.loads((out / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        return f"exported {out} (base_model_name_or_path: " + (
+            f"{base})" if base else "unknown; pass --base-model-name-or-path to record it)")
+
+    return _run("export-peft", p, argv, action)
 
 
 def export_hf_main(argv: Sequence[str]) -> int:

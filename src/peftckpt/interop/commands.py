@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from ..checkpoint.api import Checkpointer, SaveOptions
-from ..checkpoint.errors import CheckpointMismatchError
+from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
 from ..checkpoint.fingerprint import fingerprint_version
+from ..checkpoint.manifest import read_manifest
 from ..checkpoint.offline import OfflineCheckpoint, lazy_entries, lazy_fingerprint, open_checkpoint
+from ..checkpoint.storage_layout import resolve_checkpoint_dir
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
 from ..model.lora import apply_lora
@@ -179,9 +181,27 @@ def export_peft(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str],
     ckpt = open_checkpoint(ckpt_path, verify_checksums)
     cfg = GPTConfig.from_dict(ckpt.manifest.model_config)
     adapters = _adapter_tensors(ckpt)
-    tensors, config = adapter_to_peft(adapters, cfg, _lora_of(ckpt, adapters), base_model_name_or_path)
+    tensors, config = adapter_to_peft(adapters, cfg, _lora_of(ckpt, adapters),
+                                      base_model_name_or_path or base_name_of(ckpt))
     write_peft_dir(out_dir, config, tensors)
     return out_dir
+
+
+def base_name_of(ckpt: OfflineCheckpoint) -> str | None:
+    """The HF name or path of the base an adapter checkpoint was trained on, where its records say: the
+    trainer's ``--pretrained-checkpoint`` when that is an HF directory, or the HF directory that base was
+    imported from (``import-hf`` records it)."""
+    pretrained = ckpt.manifest.args.get("pretrained_checkpoint")
+    if not isinstance(pretrained, str) or not pretrained:
+        return None
+    if is_hf_dir(pretrained):
+        return str(Path(pretrained).absolute())
+    try:
+        base_args = read_manifest(resolve_checkpoint_dir(pretrained)[0]).args
+    except (CheckpointError, OSError):
+        return None
+    hf_dir = base_args.get("hf_dir")
+    return hf_dir if base_args.get("source") == "import-hf" and isinstance(hf_dir, str) else None
 
 
 def _base_path(ckpt: OfflineCheckpoint, base: str | os.PathLike[str] | None) -> str:

@@ -188,6 +188,9 @@ def write_peft_dir(path: str | os.PathLike[str], config: Mapping[str, Any], tens
     root.mkdir(parents=True, exist_ok=True)
     save_file(dict(tensors), str(root / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
     (root / PEFT_CONFIG_FILE).write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+    umask = os.umask(0)
+    os.umask(umask)
     for name in (PEFT_WEIGHTS_FILE, PEFT_CONFIG_FILE):
+        os.chmod(root / name, 0o666 & ~umask)  # as save_pretrained leaves them (safetensors writes 0600)
         fsync_file(root / name)
     fsync_dir(root)
