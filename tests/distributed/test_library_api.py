@@ -5,7 +5,6 @@ naming the rank."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -15,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
@@ -83,30 +81,29 @@ def _worker(rank: int, world: int, root: str, single: str) -> dict[str, Any]:
         Checkpointer(model, states={"counter": counter}).load(single)
     out["borrowed"] = counter.value
     out["warnings"] = [str(w.message) for w in caught if "fewer ranks" in str(w.message)]
-    # 5. the peers' lost-shard bug: rank 1's piece of a sharded adapter never reaches the checkpoint (here a
-    # planner that drops it). The commit refuses, naming the key, the region and the rank; nothing moves.
+    # 5. the peers' lost-shard bug: a wrapper hides rank 1's piece of a sharded adapter from the state dict.
+    # The save refuses before writing, naming the key, the region no rank holds and who holds the rest.
     tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     sharded = parallelize_module(nn.Sequential(nn.Linear(4, 8)), tp, {"0": ColwiseParallel()})
     with Checkpointer(sharded, mesh=tp) as ckpt:
         ckpt.save(Path(root) / "lost", 1, options=SaveOptions(trainable_only=True))
+        original = api.model_entries
 
-        class Dropping(api.EntrySavePlanner):
-            def create_local_plan(self) -> SavePlan:
-                plan = super().create_local_plan()
-                if rank == 1:
-                    plan = dataclasses.replace(plan, items=[i for i in plan.items if i.index.fqn != "model.0.weight"])
-                    self.plan = plan
-                return plan
+        def hiding(chunk: nn.Module) -> dict[str, Any]:
+            entries = original(chunk)
+            if rank == 1:
+                entries["0.weight"].pieces = []
+            return entries
 
-        original, api.EntrySavePlanner = api.EntrySavePlanner, Dropping  # type: ignore[misc]
+        api.model_entries = hiding  # type: ignore[assignment]
         try:
             ckpt.save(Path(root) / "lost", 2, options=SaveOptions(trainable_only=True))
             out["lost"] = None
         except CheckpointError as e:
             out["lost"] = str(e)
         finally:
-            api.EntrySavePlanner = original  # type: ignore[misc]
+            api.model_entries = original  # type: ignore[assignment]
     out["lost_tracker"] = (Path(root) / "lost" / "latest_checkpointed_iteration.txt").read_text().strip()
     # 6. a state the checkpoint lacks: one agreed error on every rank
     try:
@@ -130,10 +127,9 @@ def test_mesh_layouts_process_groups_and_per_rank_states(tmp_path: Path) -> None
         assert r["own"] == 100 + rank
         assert r["borrowed"] == 7
         assert r["missing"] is not None and "holds no state for 'loader'" in r["missing"]
-        assert r["lost"] is not None and "not whole, so it is not committed" in r["lost"], r["lost"]
-        assert "'model.0.weight': its chunks cover 16 of 32 elements" in r["lost"]
-        assert "'model.0.weight': the piece at offsets [4, 0] of size [4, 4], held by rank(s) 1, never reached " \
-               "the checkpoint" in r["lost"]
-        assert "nothing was committed" in r["lost"] and r["lost_tracker"] == "1"
+        assert r["lost"] is not None and "would not make a whole checkpoint, so nothing was written" in r["lost"]
+        assert "'model.0.weight' (shape [8, 4]): no rank holds offsets [4, 0] size [4, 4] (held: rank(s) 0: " \
+               "offsets [0, 0] size [4, 4]); a wrapper that hides a rank's shard" in r["lost"], r["lost"]
+        assert r["lost_tracker"] == "1" and not list((tmp_path / "lost").glob(".staging*"))
     assert results[0]["alone_layout"] == {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}
     assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == []

@@ -50,10 +50,10 @@ def _fsdp2_worker(rank: int, world: int, root: str) -> dict[str, Any]:
         exported = ex.export_peft(f"{root}/resumed", f"{root}/peft")
         torch.manual_seed(0)
         base = LlamaForCausalLM(LlamaConfig(**ex.CONFIG))
-        peft_model = PeftModel.from_pretrained(base, str(exported))
         with torch.no_grad():
+            out["adapter_changed"] = (trained - base(input_ids=tokens).logits).abs().max().item()
+            peft_model = PeftModel.from_pretrained(base, str(exported))  # wraps `base` in place
             out["export_error"] = (peft_model(input_ids=tokens).logits - trained).abs().max().item()
-        out["adapter_changed"] = (trained - base(input_ids=tokens).logits).abs().max().item()
     dist.barrier()
     return out
 

@@ -235,3 +235,30 @@ def test_the_readme_library_example_runs_and_resumes(tmp_path: Path, monkeypatch
         exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
         assert scope["start"] == steps - 100 - (100 if steps == 200 else 0)
     assert read_tracker(tmp_path / "runs" / "x") == 300
+
+
+def test_plan_and_commit_coverage_checks_name_regions_and_ranks(tmp_path: Path) -> None:
+    from peftckpt.checkpoint.integrity import plan_problems, unwritten_pieces
+    from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
+
+    shape = [8, 4]
+    replicas = [{"w": (shape, [([0, 0], [8, 4])])}, {"w": (shape, [([0, 0], [8, 4])])}]
+    assert plan_problems(replicas) == []
+    halves = [{"w": (shape, [([0, 0], [4, 4])])}, {"w": (shape, [([4, 0], [4, 4])])}]
+    assert plan_problems(halves) == []
+    (overlap,) = plan_problems([{"w": (shape, [([0, 0], [5, 4])])}, {"w": (shape, [([4, 0], [4, 4])])}])
+    assert overlap.startswith("'w': rank(s) 0 hold offsets [0, 0] size [5, 4] and rank(s) 1 offsets [4, 0] size "
+                              "[4, 4]: they overlap without being the same piece")
+    (hole,) = plan_problems([{"w": (shape, [([0, 0], [4, 4])])}, {"w": (shape, [([0, 0], [4, 4])])}])
+    assert hole.startswith("'w' (shape [8, 4]): no rank holds offsets [4, 0] size [4, 4] (held: rank(s) 0, 1: ")
+    (cols,) = plan_problems([{"w": (shape, [([0, 0], [8, 1]), ([0, 3], [8, 1])])}])
+    assert "no rank holds offsets [0, 1] size [8, 2]" in cols
+    # at the commit: a piece a rank held that the stored metadata lacks names the rank
+    model, opt, _ = _setup(0)
+    Checkpointer(model, opt).save(tmp_path, 1)
+    metadata = load_dcp_metadata(tmp_path / "iter_0000001" / ".metadata")
+    assert unwritten_pieces(metadata, {"model.base.weight": [(0, [0, 0], [6, 6])]}) == []
+    assert unwritten_pieces(metadata, {"model.extra.weight": [(0, [0, 0], [2, 2]), (1, [2, 0], [2, 2])]}) == [
+        "'model.extra.weight': the piece at offsets [0, 0] of size [2, 2], held by rank(s) 0, never reached the "
+        "checkpoint", "'model.extra.weight': the piece at offsets [2, 0] of size [2, 2], held by rank(s) 1, never "
+        "reached the checkpoint"]

@@ -48,7 +48,7 @@ from .errors import (
 )
 from .faults import fault_point
 from .fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
-from .integrity import dcp_problems
+from .integrity import dcp_problems, plan_problems
 from .legacy import load_legacy, save_rank_file
 from .load_checks import architecture_mismatch, base_mismatch, damaged, shape_mismatch
 from .manifest import Manifest, read_manifest
@@ -249,6 +249,15 @@ class Checkpointer:
         except CheckpointError as e:
             error = e
         self.comm.agree(error)
+        pieces = {k: [(list(p.offsets), list(p.tensor.shape)) for p in v.pieces] for k, v in flat.items()
+                  if isinstance(v, GlobalTensor)}
+        problems = plan_problems(self.comm.gather({k: (list(flat[k].global_shape), b) for k, b in pieces.items()}))
+        if problems:  # the same on every rank
+            refused = CheckpointIntegrityError(f"saving iteration {iteration} to {save}: the ranks' pieces would not "
+                                               "make a whole checkpoint, so nothing was written:\n  "
+                                               + "\n  ".join(problems))
+            refused.every_rank = True
+            raise refused
         if options.trainable_only:
             trainable = any(v.requires_grad for sec in self.model_sections().values() for v in sec.values()
                             if isinstance(v, GlobalTensor))
@@ -275,8 +284,6 @@ class Checkpointer:
         sections = model_section_names(len(self.chunks)) + (
             [OPTIMIZER] if options.save_optim and self.optimizer is not None else []) + (
             [RNG_STATE] if options.save_rng else []) + object_names
-        pieces = {k: [(list(p.offsets), list(p.tensor.shape)) for p in v.pieces] for k, v in flat.items()
-                  if isinstance(v, GlobalTensor)}
         commit = PendingCommit(save=save, staging=staging, iteration=iteration, options=options, kept=kept,
                                excluded=excluded, pieces=pieces, sections=sections, fingerprint=fingerprint, layout=self.layout,
                                coords=self.coords, model_config=self.model_config,

@@ -41,7 +41,7 @@ from peftckpt.checkpoint.paths import recorded_file_problem, relpath_problem
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 
 __all__ = ["DCP_METADATA_FILENAME", "dcp_problems", "storage_problems", "coverage_problem", "key_record_problems",
-           "unwritten_pieces"]
+           "unwritten_pieces", "plan_problems"]
 
 DCP_METADATA_FILENAME = ".metadata"
 """DCP's global metadata file inside a ``torch_dist`` checkpoint directory."""
@@ -222,6 +222,64 @@ def unwritten_pieces(metadata: Metadata, held: Mapping[str, Sequence[tuple[int, 
     return [f"{key!r}: the piece at offsets {list(offsets)} of size {list(sizes)}, held by rank(s) "
             f"{', '.join(map(str, sorted(set(ranks))))}, never reached the checkpoint"
             for (key, offsets, sizes), ranks in missing.items()]
+
+
+def plan_problems(planned: Sequence[Mapping[str, tuple[Sequence[int], Sequence[tuple[Sequence[int], Sequence[int]]]]]]
+                  ) -> list[str]:
+    """Before a save writes anything: whether every rank's pieces (``planned[rank] = {key: (global shape,
+    [(offsets, sizes), ...])}``) together tile each tensor exactly once. Identical pieces on several ranks
+    are replicas; a region no rank holds, or pieces that overlap without being equal, is what a wrong
+    ``declare_fused`` or a wrapper that hides or misplaces a rank's shard produces. Each problem names the
+    key, the region and the ranks holding its neighbours."""
+    shapes: dict[str, list[int]] = {}
+    holders: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]]] = {}
+    for rank, keys in enumerate(planned):
+        for key, (shape, pieces) in keys.items():
+            shapes[key] = list(shape)
+            for offsets, sizes in pieces:
+                if math.prod(sizes):
+                    holders.setdefault(key, {}).setdefault((tuple(offsets), tuple(sizes)), []).append(rank)
+    problems = []
+    for key in sorted(shapes):
+        held_by = holders.get(key, {})
+        boxes = list(held_by)
+        clash = next(((a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if _overlap(*a, *b)), None)
+        if clash is not None:
+            (oa, sa), (ob, sb) = clash
+            problems.append(f"{key!r}: rank(s) {_ranks(held_by[clash[0]])} hold offsets {list(oa)} size {list(sa)} and "
+                            f"rank(s) {_ranks(held_by[clash[1]])} offsets {list(ob)} size {list(sb)}: they overlap "
+                            "without being the same piece (a wrong declare_fused or replication does this)")
+            continue
+        holes = _uncovered(shapes[key], boxes)
+        if holes:
+            held = "; ".join(f"rank(s) {_ranks(r)}: offsets {list(o)} size {list(z)}"
+                             for (o, z), r in sorted(held_by.items())[:4]) or "none"
+            problems.append(f"{key!r} (shape {shapes[key]}): no rank holds " + ", ".join(
+                f"offsets {list(o)} size {list(z)}" for o, z in holes[:3]) + (" ..." if len(holes) > 3 else "")
+                + f" (held: {held}); a wrapper that hides a rank's shard from state_dict, or a wrong "
+                "declare_fused, does this")
+    return problems
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, sorted(set(ranks))))
+
+
+def _uncovered(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
+               ) -> list[tuple[list[int], list[int]]]:
+    """The cells of the grid the boxes' edges cut ``shape`` into that no (non-overlapping) box covers."""
+    if sum(math.prod(s) for _, s in boxes) == math.prod(shape):
+        return []
+    cuts = [sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d, n in enumerate(shape)]
+    cells = [[]]  # type: list[list[tuple[int, int]]]
+    for edges in cuts:
+        cells = [c + [(a, b)] for c in cells for a, b in zip(edges, edges[1:])]
+    holes = []
+    for cell in cells:
+        offsets, sizes = [a for a, _ in cell], [b - a for a, b in cell]
+        if not any(_overlap(offsets, sizes, o, s) for o, s in boxes):
+            holes.append((offsets, sizes))
+    return holes
 
 
 def dcp_problems(ckpt_dir: Path, manifest: Manifest) -> list[str]:
