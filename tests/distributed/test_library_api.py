@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from peftckpt import Checkpointer, CheckpointError, SaveOptions
+from peftckpt import Checkpointer, CheckpointError, FusedChunks, SaveOptions, declare_fused
 from peftckpt.checkpoint import api
 
 from .harness import run_distributed
@@ -104,6 +104,17 @@ def _worker(rank: int, world: int, root: str, single: str) -> dict[str, Any]:
             out["lost"] = str(e)
         finally:
             api.model_entries = original  # type: ignore[assignment]
+    # 5b. a wrong fused-layout declaration (only rank 0 declares its weight fused): pieces that overlap
+    torch.manual_seed(0)
+    fused = parallelize_module(nn.Sequential(nn.Linear(4, 12)), tp, {"0": ColwiseParallel()})
+    if rank == 0:
+        declare_fused(fused[0], "weight", FusedChunks(dim=0, num_chunks=2))
+    try:
+        with Checkpointer(fused, mesh=tp) as ckpt:
+            ckpt.save(Path(root) / "fused", 1)
+        out["fused"] = None
+    except CheckpointError as e:
+        out["fused"] = str(e)
     out["lost_tracker"] = (Path(root) / "lost" / "latest_checkpointed_iteration.txt").read_text().strip()
     # 6. a state the checkpoint lacks: one agreed error on every rank
     try:
@@ -130,6 +141,9 @@ def test_mesh_layouts_process_groups_and_per_rank_states(tmp_path: Path) -> None
         assert r["lost"] is not None and "would not make a whole checkpoint, so nothing was written" in r["lost"]
         assert "'model.0.weight' (shape [8, 4]): no rank holds offsets [4, 0] size [4, 4] (held: rank(s) 0: " \
                "offsets [0, 0] size [4, 4]); a wrapper that hides a rank's shard" in r["lost"], r["lost"]
+        assert r["fused"] is not None and "'model.0.weight': rank(s) 0 hold offsets [6, 0] size [3, 4] and rank(s) 1 " \
+            "offsets [6, 0] size [6, 4]: they overlap without being the same piece" in r["fused"], r["fused"]
+        assert not (tmp_path / "fused" / "latest_checkpointed_iteration.txt").exists()
         assert r["lost_tracker"] == "1" and not list((tmp_path / "lost").glob(".staging*"))
     assert results[0]["alone_layout"] == {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}
     assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == []
