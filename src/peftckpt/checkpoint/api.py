@@ -1,7 +1,9 @@
 """Save and load checkpoints of any ``nn.Module`` chunks + optimizer, in ``torch_dist`` or legacy ``torch``.
 
-The public surface is :class:`Checkpointer` (``save`` / ``load`` / ``load_pretrained``). It works with plain
-modules, DTensor-TP modules, FSDP2-sharded modules and pipeline chunks; it knows nothing about the trainer.
+The public surface is :class:`Checkpointer` (``save`` / ``async_save`` / ``load`` / ``load_pretrained`` /
+``load_base_tensors`` / ``close``). It works with plain modules, DTensor-TP modules, FSDP2-sharded modules and
+pipeline chunks; it knows nothing about the trainer. The steps it orchestrates live in their own modules
+(commit, async_save, load_checks, integrity, collectives, ...).
 """
 
 from __future__ import annotations
@@ -217,7 +219,8 @@ class Checkpointer:
 
         Steps:
             1. Build this rank's entries; with ``trainable_only`` filter the model sections (this refuses a
-               non-``torch_dist`` format before anything is written).
+               non-``torch_dist`` format before anything is written). Every rank's pieces must tile each
+               tensor exactly once (:func:`~peftckpt.checkpoint.integrity.plan_problems`), or nothing is written.
             2. Rank 0 locks the save directory (one run at a time, see
                :func:`~peftckpt.checkpoint.save_lock.acquire_save_lock`) and removes stale staging
                directories; all ranks agree on a fresh staging directory.
