@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from peftckpt import Checkpointer, CheckpointNotFoundError, SaveOptions
+from peftckpt import Checkpointer, CheckpointNotFoundError, LoadOptions, SaveOptions
 
 DIM, HIDDEN, RANK, LAYERS, VOCAB = 16, 64, 4, 2, 64
 
@@ -115,7 +115,7 @@ def export_merged(workdir: str, out: str, process_group: dist.ProcessGroup | Non
     merged into the down projections and written as one safetensors file. Returns the unmerged model too.
     (Inside a larger job, pass a ``process_group`` holding only this process.)"""
     model = build(adapter_seed=99, mesh=None)  # adapters come from the checkpoint
-    Checkpointer(model, process_group=process_group).load(workdir)
+    Checkpointer(model, process_group=process_group).load(workdir, LoadOptions(load_rng=False))  # no RNG to resume
     merged = {k: v.detach().clone() for k, v in model.state_dict().items() if ".lora_" not in k}
     for i, block in enumerate(model.blocks):
         delta = block.down.lora_b.weight @ block.down.lora_a.weight
