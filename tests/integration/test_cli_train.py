@@ -109,8 +109,11 @@ def test_data_path_jsonl_trains_three_iterations(tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
     base = [sys.executable, "-m", "peftckpt", "train", *MODEL, "--data-path", str(data), "--train-iters", "3",
             "--metrics-file", str(metrics)]
-    proc = _run([*base, "--vocab-size", "257"], tmp_path)
+    missing = tmp_path / "mistyped"
+    proc = _run([*base, "--vocab-size", "257", "--load", str(missing)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"--load {missing} does not exist; starting from")]
+    assert len(said) == 1, proc.stdout  # a mistyped --load is never silent
     train, evals = _records(metrics)
     _check_train_records(train, 3)
     assert evals == []

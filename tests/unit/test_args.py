@@ -160,3 +160,9 @@ def test_hf_peft_target_names_are_aliases() -> None:
     assert args.lora_target_modules == ["linear_q", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up",
                                         "linear_fc2", "linear_k"]
     assert "HF PEFT's names ['q_proj'" in _refused(["--lora-rank", "4", "--lora-target-modules", "qkv_proj"])
+
+
+def test_trainable_only_without_lora_is_said_at_start() -> None:
+    note = "--save-trainable-params-only without LoRA (--lora-rank 0): every parameter trains"
+    assert any(note in n for n in _parse(["--save-trainable-params-only"]).checkpoint_defaults)
+    assert not any(note in n for n in _parse(["--save-trainable-params-only", "--lora-rank", "4"]).checkpoint_defaults)

@@ -316,9 +316,13 @@ def parse_train_args(argv: Sequence[str] | None, world_size: int,
                      parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parse and validate; raises :class:`ArgumentError` (argparse's own errors exit 2 by themselves).
 
-    ``args.checkpoint_defaults`` lists which flags were taken from checkpoint manifests."""
+    ``args.checkpoint_defaults`` lists which flags were taken from checkpoint manifests, and notes on checkpoint
+    flags that work but likely not as meant (printed at start by rank 0)."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     args.checkpoint_defaults = apply_checkpoint_defaults(args, _given(parser, argv))
+    if args.save_trainable_params_only and args.lora_rank == 0:
+        args.checkpoint_defaults.append("--save-trainable-params-only without LoRA (--lora-rank 0): every parameter "
+                                        "trains, so each checkpoint holds the whole model")
     validate(args, world_size)
     return args

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -109,7 +110,9 @@ class TrainerCheckpointing:
         except CheckpointNotFoundError as e:
             if a.exit_on_missing_checkpoint:
                 raise CheckpointError(f"--exit-on-missing-checkpoint: {e}") from None
-            t.logger.info(f"no checkpoint in --load {a.load}; starting from scratch")
+            said = "does not exist" if not Path(a.load).exists() else "holds no committed checkpoint"
+            t.logger.info(f"--load {a.load} {said}; starting from scratch (--exit-on-missing-checkpoint makes "
+                          "this an error)")
             return
         if a.finetune:
             t.logger.info(f"--finetune: loaded model weights from {res.path}; starting at iteration 0")
