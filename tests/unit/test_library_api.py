@@ -262,3 +262,13 @@ def test_plan_and_commit_coverage_checks_name_regions_and_ranks(tmp_path: Path) 
         "'model.extra.weight': the piece at offsets [0, 0] of size [2, 2], held by rank(s) 0, never reached the "
         "checkpoint", "'model.extra.weight': the piece at offsets [2, 0] of size [2, 2], held by rank(s) 1, never "
         "reached the checkpoint"]
+
+
+def test_trainable_only_with_nothing_trainable_says_so(tmp_path: Path) -> None:
+    model, _, _ = _setup(0)
+    model.requires_grad_(False)
+    with pytest.warns(UserWarning, match="no model parameter is trainable, so this checkpoint holds no model "
+                                         r"parameters \(buffers only"):
+        Checkpointer(model).save(tmp_path, 1, options=SaveOptions(trainable_only=True))
+    saved = json.loads((tmp_path / "iter_0000001" / "metadata.json").read_text())["saved_keys"]
+    assert sorted(saved) == ["model.norm.num_batches_tracked", "model.norm.running_mean", "model.norm.running_var"]

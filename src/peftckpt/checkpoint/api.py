@@ -265,8 +265,8 @@ class Checkpointer:
             trainable = any(v.requires_grad for sec in self.model_sections().values() for v in sec.values()
                             if isinstance(v, GlobalTensor))
             if not any(self.comm.gather(trainable)) and self.rank == 0:
-                warnings.warn("--save-trainable-params-only: no model parameter is trainable, so the model "
-                              "sections of this checkpoint are empty", stacklevel=2)
+                warnings.warn("--save-trainable-params-only: no model parameter is trainable, so this checkpoint "
+                              "holds no model parameters (buffers only, if any)", stacklevel=2)
         # 2.
         staging_name: str | None = None
         error = None
