@@ -484,7 +484,8 @@ class Checkpointer:
             2. Check the architecture; for a trainable-only checkpoint check the base fingerprint.
             3. Build the request -- filtered like the save for a trainable-only checkpoint -- and apply the
                strictness mode against the checkpoint's keys.
-            4. Read (DCP resharding, or the legacy per-rank files at the same layout); finish the checksums.
+            4. Read (DCP resharding, or the legacy per-rank files at the same layout); finish the checksums;
+               apply extra state, optimizer groups, the checkpointer's states (in place) and the RNG state.
         """
         options = options or LoadOptions()
         self.wait()  # an async save in flight is committed first: it may be the checkpoint asked for
