@@ -28,7 +28,8 @@ from peftckpt.checkpoint.inspect import (
 )
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.storage_layout import new_staging_dir, write_tracker
-from peftckpt.cli.inspect import inspect_main, render_text
+from peftckpt.cli.inspect import inspect_main
+from peftckpt.cli.inspect_text import render_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -453,7 +454,7 @@ def test_help_documents_options_and_cost(capsys: pytest.CaptureFixture[str]) -> 
     assert inspect_main(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--keys also print the per-key table, grouped by section" in out
-    assert "--json print the JSON report (schema_version 1" in out
+    assert "--json print the JSON report (versioned by its schema_version field; every key included)" in out
     assert "--no-verify-checksums skip re-reading and hashing every file" in out
     assert "minutes for a 100 GB full checkpoint" in out
     assert "exit codes: 0 committed and intact, 1 uncommitted / corrupted / refused, 2 usage error" in out

@@ -1,24 +1,39 @@
-"""Save/load orchestration, sections, trainable filter, strictness, formats, manifest, commit protocol."""
+"""Save/load orchestration, sections, trainable filter, strictness, formats, manifest, commit protocol.
 
-from .api import Checkpointer, LoadOptions, LoadResult, SaveOptions
-from .errors import (
-    CheckpointError,
-    CheckpointFormatError,
-    CheckpointIntegrityError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    StrictnessError,
-    UnsafeCheckpointError,
-)
-from .manifest import Manifest, read_manifest
-from .strictness import KeyReport, StrictHandling
-from .trainable import TORCH, TORCH_DIST, filter_trainable
-from .verify import VerifyReport, verify_checkpoint
+Names are imported on first use (see :mod:`peftckpt._lazy`)."""
 
-__all__ = [
-    "Checkpointer", "LoadOptions", "LoadResult", "SaveOptions",
-    "CheckpointError", "CheckpointFormatError", "CheckpointIntegrityError", "CheckpointMismatchError",
-    "CheckpointNotFoundError", "StrictnessError", "UnsafeCheckpointError",
-    "Manifest", "read_manifest", "KeyReport", "StrictHandling", "TORCH", "TORCH_DIST", "filter_trainable",
-    "VerifyReport", "verify_checkpoint",
-]
+# ruff: noqa: F401 -- the TYPE_CHECKING imports re-export the lazy names to type checkers
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .api import Checkpointer, LoadOptions, LoadResult, SaveOptions
+    from .errors import (
+        CheckpointError,
+        CheckpointFormatError,
+        CheckpointIntegrityError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        StrictnessError,
+        UnsafeCheckpointError,
+    )
+    from .manifest import Manifest, read_manifest
+    from .strictness import KeyReport, StrictHandling
+    from .trainable import TORCH, TORCH_DIST, filter_trainable
+    from .verify import VerifyReport, verify_checkpoint
+
+_EXPORTS = {
+    "Checkpointer": ".api", "LoadOptions": ".api", "LoadResult": ".api", "SaveOptions": ".api",
+    "CheckpointError": ".errors", "CheckpointFormatError": ".errors", "CheckpointIntegrityError": ".errors",
+    "CheckpointMismatchError": ".errors", "CheckpointNotFoundError": ".errors", "StrictnessError": ".errors",
+    "UnsafeCheckpointError": ".errors", "Manifest": ".manifest", "read_manifest": ".manifest",
+    "KeyReport": ".strictness", "StrictHandling": ".strictness", "TORCH": ".trainable",
+    "TORCH_DIST": ".trainable", "filter_trainable": ".trainable", "VerifyReport": ".verify",
+    "verify_checkpoint": ".verify",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pickle
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -58,6 +56,8 @@ class StrictnessError(CheckpointError):
 def unwrap_dcp_error(e: BaseException) -> BaseException:
     """The first rank's own exception inside DCP's ``CheckpointException`` wrapper (a ``BaseException``
     that would escape ``except Exception``); any other exception unchanged."""
+    from torch.distributed.checkpoint.api import CheckpointException  # here: importing errors needs no torch
+
     if isinstance(e, CheckpointException):
         for failure in e.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure

@@ -26,6 +26,8 @@ __all__ = [
     "CHECKSUM_ALGORITHM",
     "FORMAT_VERSION",
     "KNOWN_FORMATS",
+    "TORCH",
+    "TORCH_DIST",
     "Manifest",
     "read_manifest",
 ]
@@ -39,7 +41,9 @@ CHECKSUM_ALGORITHM = "xxh3_128"
 MANIFEST_MAX_BYTES = 256 << 20
 """Largest manifest read (one of a 70B model with every key recorded is a few MB)."""
 
-KNOWN_FORMATS = ("torch_dist", "torch")
+TORCH_DIST = "torch_dist"
+TORCH = "torch"
+KNOWN_FORMATS = (TORCH_DIST, TORCH)
 """Checkpoint formats: ``torch_dist`` (DCP directory) and ``torch`` (legacy per-rank ``.pt`` files)."""
 
 

@@ -13,11 +13,10 @@ from typing import Any
 
 from ..sharding.entries import GlobalTensor
 from .errors import CheckpointError
+from .manifest import TORCH, TORCH_DIST
 
 __all__ = ["TORCH_DIST", "TORCH", "EXTRA_STATE_SUFFIX", "filter_trainable", "check_format_for_trainable_only"]
 
-TORCH_DIST = "torch_dist"
-TORCH = "torch"
 EXTRA_STATE_SUFFIX = "_extra_state"
 
 

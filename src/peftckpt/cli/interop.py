@@ -1,6 +1,6 @@
 """Command lines of the interop tools: ``peftckpt import-hf | export-hf | export-peft | import-peft``.
 
-Exit codes: 0 done, 1 a refused input (one message naming the file, key or flag; nothing written), 2 usage.
+Parsing comes first (``--help`` imports no torch). Exit codes: 0 done, 1 a refused input (one message naming the file, key or flag; nothing written), 2 usage.
 """
 
 from __future__ import annotations
@@ -12,21 +12,22 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from ..checkpoint.errors import CheckpointError
-from ..interop.commands import export_hf, export_peft, import_hf, import_peft
-from ..interop.hf_llama import InteropError
 
 __all__ = ["import_hf_main", "export_hf_main", "export_peft_main", "import_peft_main"]
 
 
 def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str], action: Any) -> int:
+    """Parse (``--help`` imports no torch), then run ``action`` on the flags: its result is printed, an input it
+    refuses is one ``error:`` line and exit 1."""
     args = parser.parse_args(list(argv))
+    from ..interop import commands
+    from ..interop.hf_llama import InteropError
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's single-process notices
-            result = action(args)
+            result = action(args, commands)
     except (InteropError, CheckpointError) as e:
         print(f"peftckpt {prog}: error: {e}", file=sys.stderr)
         return 1
@@ -52,8 +53,8 @@ def import_hf_main(argv: Sequence[str]) -> int:
                 "architecture from it.", "HF_DIR", checksums=False)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="store the base in this dtype (default: each tensor's dtype in the HF files)")
-    return _run("import-hf", p, argv, lambda a: (
-        f"imported {a.hf_dir} -> {import_hf(a.hf_dir, a.out, getattr(torch, a.dtype) if a.dtype else None)}"))
+    return _run("import-hf", p, argv, lambda a, ops: (
+        f"imported {a.hf_dir} -> {ops.import_hf(a.hf_dir, a.out, _dtype(a.dtype) if a.dtype else None)}"))
 
 
 def import_peft_main(argv: Sequence[str]) -> int:
@@ -62,8 +63,8 @@ def import_peft_main(argv: Sequence[str]) -> int:
                 "PEFT_DIR")
     p.add_argument("--base", required=True, help="the base the adapter belongs to: an HF Llama directory or a full "
                    "checkpoint (see import-hf)")
-    return _run("import-peft", p, argv, lambda a: (
-        f"imported {a.peft_dir} -> {import_peft(a.peft_dir, a.out, a.base, not a.no_verify_checksums)}"))
+    return _run("import-peft", p, argv, lambda a, ops: (
+        f"imported {a.peft_dir} -> {ops.import_peft(a.peft_dir, a.out, a.base, not a.no_verify_checksums)}"))
 
 
 def export_peft_main(argv: Sequence[str]) -> int:
@@ -72,8 +73,8 @@ def export_peft_main(argv: Sequence[str]) -> int:
                 "CKPT", "save directory or checkpoint directory")
     p.add_argument("--base-model-name-or-path", default=None, help="recorded in adapter_config.json (default: the "
                    "HF directory the base came from, when the checkpoint's records name one)")
-    def action(a: argparse.Namespace) -> str:
-        out = export_peft(a.ckpt, a.out, a.base_model_name_or_path, not a.no_verify_checksums)
+    def action(a: argparse.Namespace, ops: Any) -> str:
+        out = ops.export_peft(a.ckpt, a.out, a.base_model_name_or_path, not a.no_verify_checksums)
         base = json.loads((out / "adapter_config.json").read_text()).get("base_model_name_or_path")
         return f"exported {out} (base_model_name_or_path: " + (
             f"{base})" if base else "unknown; pass --base-model-name-or-path to record it)")
@@ -89,6 +90,12 @@ def export_hf_main(argv: Sequence[str]) -> int:
                    "Llama directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--no-verify-base", action="store_true", help="merge even if the base fingerprint differs")
-    return _run("export-hf", p, argv, lambda a: (
-        "exported " + str(export_hf(a.ckpt, a.out, a.base, not a.no_verify_base, not a.no_verify_checksums,
-                                    getattr(torch, a.dtype)))))
+    return _run("export-hf", p, argv, lambda a, ops: (
+        "exported " + str(ops.export_hf(a.ckpt, a.out, a.base, not a.no_verify_base, not a.no_verify_checksums,
+                                        _dtype(a.dtype)))))
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)

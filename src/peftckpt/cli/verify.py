@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.verify import verify_checkpoint
 from .parsing import parse_or_exit_code
 
 __all__ = ["verify_main"]
@@ -35,6 +34,8 @@ def verify_main(argv: list[str] | None = None) -> int:
     if not target.exists():
         print(f"peftckpt verify: error: DIR {target} does not exist", file=sys.stderr)
         return 2
+    from ..checkpoint.verify import verify_checkpoint  # torch: not needed to parse flags or print --help
+
     try:
         report = verify_checkpoint(target)
     except CheckpointError as exc:

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.manifest import Manifest
 from ..model.config import (
@@ -21,9 +21,11 @@ from ..model.config import (
     GPTConfig,
     LoRAConfig,
 )
-from ..parallel.dims import ParallelDims
 from .checkpoint_flags import add_checkpoint_args, validate_checkpoint_args
 from .errors import ArgumentError
+
+if TYPE_CHECKING:
+    from ..parallel.dims import ParallelDims
 
 __all__ = ["ArgumentError", "build_parser", "parse_train_args", "model_config", "lora_config", "parallel_dims"]
 
@@ -145,6 +147,8 @@ def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
 
 
 def parallel_dims(args: argparse.Namespace, world_size: int) -> ParallelDims:
+    from ..parallel.dims import ParallelDims  # torch: not needed to parse flags or print --help
+
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vpp = 1
     if args.num_layers_per_virtual_pipeline_stage is not None:

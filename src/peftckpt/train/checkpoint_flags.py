@@ -8,11 +8,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..checkpoint.collectives import Collectives
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.manifest import TORCH, TORCH_DIST
 from ..checkpoint.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
 from ..checkpoint.strictness import StrictHandling
-from ..checkpoint.trainable import TORCH, TORCH_DIST
 from .errors import ArgumentError
 
 __all__ = ["add_checkpoint_args", "validate_checkpoint_args", "check_checkpoint_paths"]
@@ -128,6 +127,8 @@ def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock |
     if not problems:
         problems = [p for flag, v in (("--save", args.save), ("--ckpt-convert-save", args.ckpt_convert_save))
                     if v and (p := _save_dir_problem(flag, v)) is not None]
+    from ..checkpoint.collectives import Collectives  # torch: only once a run starts
+
     comm = Collectives()
     found = comm.gather(problems)
     if any(found):

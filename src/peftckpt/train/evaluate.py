@@ -22,16 +22,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..checkpoint.api import LoadOptions
 from ..checkpoint.strictness import StrictHandling
 from .args import ArgumentError, build_parser, parse_train_args
-from .run import exit_multi_rank, run_with_process_group
 
 __all__ = ["evaluate", "eval_main"]
 
 
 def evaluate(args: argparse.Namespace, world_size: int, rank: int) -> dict[str, Any]:
     """Steps 1-3 of the module docstring; returns the JSON report (on every rank)."""
+    from ..checkpoint.api import LoadOptions
     from .checkpointing import TrainerCheckpointing, load_base
     from .trainer import Trainer
 
@@ -88,5 +87,7 @@ def eval_main(argv: Sequence[str]) -> int:
             tail = f" ({dropped} trailing samples, less than a global batch, left out)" if dropped else ""
             print(f"eval loss {report['loss']:.6f} over {report['samples']} samples "
                   f"({report['tokens']} tokens){tail}")
+
+    from .run import exit_multi_rank, run_with_process_group  # torch: only once the flags are valid
 
     return exit_multi_rank(run_with_process_group(body, world_size, rank, "eval"), world_size)
