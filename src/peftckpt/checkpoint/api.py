@@ -252,9 +252,10 @@ class Checkpointer:
         except CheckpointError as e:
             error = e
         self.comm.agree(error)
-        pieces = {k: [(list(p.offsets), list(p.tensor.shape)) for p in v.pieces] for k, v in flat.items()
-                  if isinstance(v, GlobalTensor)}
-        problems = plan_problems(self.comm.gather({k: (list(flat[k].global_shape), b) for k, b in pieces.items()}))
+        planned = self.comm.gather({k: (list(v.global_shape), [(list(p.offsets), list(p.tensor.shape))
+                                                                for p in v.pieces])
+                                    for k, v in flat.items() if isinstance(v, GlobalTensor)})
+        problems = plan_problems(planned)
         if problems:  # the same on every rank
             refused = CheckpointIntegrityError(f"saving iteration {iteration} to {save}: the ranks' pieces would not "
                                                "make a whole checkpoint, so nothing was written:\n  "
@@ -288,7 +289,7 @@ class Checkpointer:
             [OPTIMIZER] if options.save_optim and self.optimizer is not None else []) + (
             [RNG_STATE] if options.save_rng else []) + object_names
         commit = PendingCommit(save=save, staging=staging, iteration=iteration, options=options, kept=kept,
-                               excluded=excluded, pieces=pieces, sections=sections, fingerprint=fingerprint, layout=self.layout,
+                               excluded=excluded, planned=planned, sections=sections, fingerprint=fingerprint, layout=self.layout,
                                coords=self.coords, model_config=self.model_config,
                                adapter_config=self.adapter_config, args=dict(args or {}))
         try:

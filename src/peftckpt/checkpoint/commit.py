@@ -40,8 +40,9 @@ class PendingCommit:
     kept: dict[str, Any]
     """This rank's records of the model tensors it saved, and of those it left out (trainable-only)."""
     excluded: dict[str, Any]
-    pieces: dict[str, list[tuple[list[int], list[int]]]]
-    """This rank's pieces (offsets, sizes) of every tensor it writes: what the commit expects to find stored."""
+    planned: list[dict[str, Any]]
+    """Every rank's pieces, ``{key: (global shape, [(offsets, sizes), ...])}`` per rank, as the save's plan
+    check gathered them: what the commit expects to find stored."""
     sections: list[str]
     fingerprint: str | None
     layout: dict[str, int]
@@ -78,7 +79,7 @@ def commit_outcome(c: PendingCommit, reached: Sequence[str]) -> str:
 def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
     """Checksums, whole-checkpoint check, manifest, rename, tracker, retention (collective)."""
     error: BaseException | None = None
-    mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded, c.pieces)
+    mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded)
     try:
         if c.options.ckpt_format == TORCH:
             own = rank_file(c.staging, c.coords, c.layout)
@@ -86,7 +87,7 @@ def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
         else:
             written = sorted(c.staging.glob(f"__{comm.rank}_*"))
         checksum = checksum_files if c.checksums is None else c.checksums.checksums
-        mine = (checksum(written, c.staging), c.kept, c.excluded, c.pieces)
+        mine = (checksum(written, c.staging), c.kept, c.excluded)
     except OSError as e:  # e.g. the staging directory vanished: agreed below, never a hang in the gather
         error = e
     comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed")
@@ -113,19 +114,20 @@ def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
     c.committed = True
 
 
-def build_manifest(c: PendingCommit,
-                   records: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]) -> Manifest:
+def build_manifest(c: PendingCommit, records: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]
+                   ) -> Manifest:
     """The manifest of a fully written staging directory (rank 0), refused if the checkpoint is not whole:
     every stored tensor tiled exactly once, and every piece a rank held stored (naming the rank if not)."""
     files: dict[str, Any] = {}
     saved_keys: dict[str, Any] = {}
     excluded_keys: dict[str, Any] = {}
     held: dict[str, list[tuple[int, list[int], list[int]]]] = {}
-    for rank, (f, k, x, pieces) in enumerate(records):
+    for f, k, x in records:
         files.update(f)
         saved_keys.update(k)
         excluded_keys.update(x)
-        for key, boxes in pieces.items():
+    for rank, planned in enumerate(c.planned):
+        for key, (_, boxes) in planned.items():
             held.setdefault(key, []).extend((rank, offsets, sizes) for offsets, sizes in boxes)
     checksum = checksum_files if c.checksums is None else c.checksums.checksums
     others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix() not in files]

@@ -28,6 +28,7 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -238,23 +239,21 @@ class Fingerprinting:
         self.version = version
         self.distributed = distributed
         self.group = group
-        mine = sorted((k, p.offsets) for k, e in frozen.items() for p in e.pieces if p.tensor.numel())
+        # this rank's non-empty pieces and the records of its keys, from every rank in one gather
+        mine = (sorted((k, p.offsets) for k, e in frozen.items() for p in e.pieces if p.tensor.numel()),
+                {k: _record(e, version) for k, e in frozen.items()})
         if distributed:
-            world = dist.get_world_size(group)
-            everyone: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(world)]
+            everyone: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, mine, group=group)
             rank = dist.get_rank(group)
-            records: list[dict[str, list[object]]] = [{} for _ in range(world)]
-            dist.all_gather_object(records, {k: _record(e, version) for k, e in frozen.items()}, group=group)
         else:
-            everyone, rank, records = [mine], 0, [{k: _record(e, version) for k, e in frozen.items()}]
+            everyone, rank = [mine], 0
         owner: dict[tuple[str, tuple[int, ...]], int] = {}
-        for r, pieces in enumerate(everyone):
+        self._records: dict[str, list[object]] = {}
+        for r, (pieces, records) in enumerate(everyone):
             for k, off in pieces:
                 owner.setdefault((k, tuple(off)), r)
-        self._records: dict[str, list[object]] = {}
-        for rank_records in records:
-            self._records.update(rank_records)
+            self._records.update(records)
         self._mine = {key for key, r in owner.items() if r == rank}
         self._shapes = {k: e.global_shape for k, e in frozen.items()}
         self._sums: dict[str, list[int]] = {}
