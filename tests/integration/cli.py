@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from peftckpt.checkpoint.storage_layout import list_committed, read_tracker
+from peftckpt.checkpoint.verify import verify_checkpoint
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
         "--ffn-hidden-size", "64", "--vocab-size", "128", "--seq-length", "16", "--micro-batch-size", "2",
@@ -61,3 +66,35 @@ def read_dcp_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def until(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def launch(args: list[str], log: Path, nproc: int = 0) -> subprocess.Popen[bytes]:
+    """Start ``peftckpt ARGS`` in the background, its output in ``log`` (a file, not a pipe: orphaned workers
+    holding a pipe open would block the test instead of failing it)."""
+    prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+              if nproc else [sys.executable])
+    with open(log, "wb") as out:
+        return subprocess.Popen([*prefix, "-m", "peftckpt", *args], stdout=out, stderr=subprocess.STDOUT, env=env())
+
+
+def no_worker_traceback(stderr: str, nproc: int) -> None:
+    """No traceback from a worker; under torchrun only the launcher's own (its ChildFailedError report when a
+    worker failed, its SignalException when it was signalled itself)."""
+    assert "peftckpt/" not in "".join(line for line in stderr.splitlines() if line.startswith("  File")), stderr
+    assert stderr.count("Traceback") == (1 if nproc else 0), stderr
+
+
+def all_committed_verify(save: Path) -> None:
+    committed = list_committed(save)
+    assert committed and read_tracker(save) in committed
+    for it in committed:
+        report = verify_checkpoint(save / f"iter_{it:07d}")
+        assert report.ok, report.problems

@@ -8,38 +8,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from peftckpt.checkpoint.storage_layout import TRACKER_FILENAME, list_committed, read_tracker
-from peftckpt.checkpoint.verify import verify_checkpoint
+from peftckpt.checkpoint.storage_layout import TRACKER_FILENAME, read_tracker
 
-from .cli import TINY, env, peftckpt
+from .cli import TINY, all_committed_verify, launch, no_worker_traceback, peftckpt, until
 
 pytestmark = pytest.mark.slow
 LONG = ["train", *TINY, "--train-iters", "100000", "--save-interval", "3", "--log-interval", "1"]
-
-
-def _until(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def _launch(args: list[str], log: Path, nproc: int = 0) -> subprocess.Popen[bytes]:
-    """Start ``peftckpt ARGS`` in the background, its output in ``log`` (a file, not a pipe: orphaned workers
-    holding a pipe open would block the test instead of failing it)."""
-    prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-              if nproc else [sys.executable])
-    with open(log, "wb") as out:
-        return subprocess.Popen([*prefix, "-m", "peftckpt", *args], stdout=out, stderr=subprocess.STDOUT, env=env())
 
 
 def _alive(pid: int) -> bool:
@@ -57,20 +35,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _no_worker_traceback(stderr: str, nproc: int) -> None:
-    """No traceback from a worker; under torchrun only the launcher's own ChildFailedError report."""
-    assert "peftckpt/" not in "".join(line for line in stderr.splitlines() if line.startswith("  File")), stderr
-    assert stderr.count("Traceback") == (1 if nproc else 0), stderr
-
-
-def _all_committed_verify(save: Path) -> None:
-    committed = list_committed(save)
-    assert committed and read_tracker(save) in committed
-    for it in committed:
-        report = verify_checkpoint(save / f"iter_{it:07d}")
-        assert report.ok, report.problems
-
-
 @pytest.mark.parametrize("nproc", [0, 2])
 def test_a_save_that_could_never_succeed_fails_before_training(tmp_path: Path, nproc: int) -> None:
     a_file = tmp_path / "file"
@@ -86,46 +50,46 @@ def test_a_save_that_could_never_succeed_fails_before_training(tmp_path: Path, n
         proc = peftckpt(["train", *TINY, "--train-iters", "50", "--log-interval", "1", *flags], nproc, check=False)
         assert proc.returncode == (1 if nproc else 2), proc.stderr  # torchrun reports any worker failure as 1
         assert proc.stderr.count(message) == 1, proc.stderr  # once, not once per rank
-        _no_worker_traceback(proc.stderr, nproc)
+        no_worker_traceback(proc.stderr, nproc)
         assert "iteration" not in proc.stdout  # no step was trained
     assert not (tmp_path / "s").exists()
 
 
 def test_second_run_on_a_save_directory_refuses_before_training(tmp_path: Path) -> None:
     save = tmp_path / "save"
-    first = _launch([*LONG, "--save", str(save)], tmp_path / "first.log")
+    first = launch([*LONG, "--save", str(save)], tmp_path / "first.log")
     try:
-        _until(lambda: (save / TRACKER_FILENAME).exists(), "the first run's first checkpoint")
+        until(lambda: (save / TRACKER_FILENAME).exists(), "the first run's first checkpoint")
         second = peftckpt([*LONG, "--save", str(save), "--load", str(save)], nproc=2, check=False)
         assert second.returncode == 1, second.stderr
         message = f"save directory {save} is in use by another run (host "
         assert second.stderr.count(message) == 1 and f"pid {first.pid}, since " in second.stderr
-        _no_worker_traceback(second.stderr, 2)
+        no_worker_traceback(second.stderr, 2)
         assert "iteration" not in second.stdout
         assert first.poll() is None  # the first run goes on
     finally:
         first.kill()  # a kill at any moment costs nothing committed
         first.wait()
-    _all_committed_verify(save)
+    all_committed_verify(save)
     # the kernel released the dead run's lock: a rerun resumes at once
     rerun = peftckpt(["train", *TINY, "--train-iters", str(read_tracker(save) + 2), "--save", str(save),
                       "--load", str(save)], check=False)
     assert rerun.returncode == 0 and "resumed from" in rerun.stdout + rerun.stderr, rerun.stderr
-    _all_committed_verify(save)
+    all_committed_verify(save)
 
 
 def test_workers_end_with_a_killed_launcher(tmp_path: Path) -> None:
     save = tmp_path / "save"
-    launcher = _launch([*LONG, "--tensor-model-parallel-size", "2", "--save", str(save)], tmp_path / "run.log",
+    launcher = launch([*LONG, "--tensor-model-parallel-size", "2", "--save", str(save)], tmp_path / "run.log",
                        nproc=2)
     workers: list[int] = []
     try:
-        _until(lambda: (save / TRACKER_FILENAME).exists(), "the first checkpoint")
+        until(lambda: (save / TRACKER_FILENAME).exists(), "the first checkpoint")
         workers = _children(launcher.pid)
         assert len(workers) == 2 and all(_alive(w) for w in workers)
         os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone, as the OOM killer or `kill -9` does
         launcher.wait()
-        _until(lambda: not any(_alive(w) for w in workers), "the workers to end", timeout=10)
+        until(lambda: not any(_alive(w) for w in workers), "the workers to end", timeout=10)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -133,4 +97,4 @@ def test_workers_end_with_a_killed_launcher(tmp_path: Path) -> None:
         for pid in workers:  # never leave a worker training forever if the check above failed
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    _all_committed_verify(save)
+    all_committed_verify(save)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -168,12 +169,28 @@ def test_trainable_only_without_lora_is_said_at_start() -> None:
     assert not any(note in n for n in _parse(["--save-trainable-params-only", "--lora-rank", "4"]).checkpoint_defaults)
 
 
-def test_every_help_answers_without_importing_torch() -> None:
+def _option_blocks(help_text: str) -> dict[str, str]:
+    """``--help`` text -> {first option string: its whole entry (the option line and its help lines)}."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in help_text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            blocks[current] = line
+        elif current is not None and line.startswith("    "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return blocks
+
+
+def test_every_help_answers_without_importing_torch_and_states_every_default() -> None:
     """`--help` parses before importing torch (a few seconds saved on each), for every command; the text
-    names every command's flags as before."""
+    names every command's flags as before, and every option's entry states its default."""
     code = """
-import contextlib, io, sys
+import contextlib, io, json, sys
 from peftckpt.cli import COMMANDS, main
+texts = {}
 for command in COMMANDS:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -182,9 +199,19 @@ for command in COMMANDS:
         except SystemExit as e:
             assert e.code == 0, (command, e.code)
     assert f"peftckpt {command}" in out.getvalue(), command
+    texts[command] = out.getvalue()
 assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))[:5]
-print(len(COMMANDS))
+print(json.dumps(texts))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.strip()) == 8
+    texts = json.loads(done.stdout)
+    assert len(texts) == 8
+    for command, text in texts.items():
+        blocks = _option_blocks(text)
+        assert "--help" not in blocks and "-h" in blocks, command
+        silent = [flag for flag, entry in blocks.items() if flag != "-h" and "default" not in entry]
+        assert not silent, f"peftckpt {command} --help states no default for {silent}"
+    train = _option_blocks(texts["train"])
+    assert "(default: 4)" in train["--num-layers"] and "(default: off)" in train["--bf16"]
+    assert "(default: torch_dist)" in train["--ckpt-format"] and "(default: none)" in train["--save"]

@@ -39,6 +39,7 @@ def _usage() -> str:
 
 def _train(argv: Sequence[str]) -> int:
     from ..train.args import ArgumentError, parse_train_args
+    from .parsing import print_error
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -46,7 +47,7 @@ def _train(argv: Sequence[str]) -> int:
         args = parse_train_args(list(argv), world_size)
     except ArgumentError as e:
         if rank == 0:
-            print(f"peftckpt train: error: {e}", file=sys.stderr)
+            print_error("peftckpt train", e)
         return 2
     from ..train.run import exit_multi_rank, run_training
 

@@ -9,7 +9,7 @@ import sys
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.storage_layout import MANIFEST_FILENAME, TRACKER_FILENAME
-from .parsing import parse_or_exit_code
+from .parsing import HelpFormatter, parse_or_exit_code, print_error
 
 __all__ = ["inspect_main"]
 
@@ -32,13 +32,17 @@ the metadata. The other directories of a save directory are always checked that 
 exit codes: 0 committed and intact, 1 uncommitted / corrupted / refused, 2 usage error (bad DIR)."""
 
 
+class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown; the epilog's lines kept as written."""
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peftckpt inspect",
         description="Report on a checkpoint offline: commit state, format, iteration, layout, sections, "
                     "keys (global shapes, dtypes, bytes, trainable) and sizes.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
     )
     parser.add_argument("dir", metavar="DIR", help="a save directory or a checkpoint (iter_*) directory")
     parser.add_argument("--keys", action="store_true",
@@ -62,7 +66,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
     try:
         report = inspect_path(args.dir, verify_checksums=args.verify_checksums)
     except CheckpointError as exc:  # only a bad DIR gets here
-        print(f"peftckpt inspect: error: {exc}", file=sys.stderr)
+        print_error("peftckpt inspect", exc)
         return 2
     try:
         print(report.to_json() if args.json else render_text(report, args.keys), end="\n" if args.json else "")

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.errors import CheckpointError
+from .parsing import HelpFormatter, print_error
 
 __all__ = ["import_hf_main", "export_hf_main", "export_peft_main", "import_peft_main"]
 
@@ -29,7 +29,7 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str], action
             warnings.simplefilter("ignore", UserWarning)  # DCP's single-process notices
             result = action(args, commands)
     except (InteropError, CheckpointError) as e:
-        print(f"peftckpt {prog}: error: {e}", file=sys.stderr)
+        print_error(f"peftckpt {prog}", e)
         return 1
     print(result)
     return 0
@@ -39,7 +39,7 @@ def _parser(command: str, description: str, source: str, source_help: str | None
             checksums: bool = True) -> argparse.ArgumentParser:
     """A tool's parser with its two positionals (what it reads, the new directory it writes) and, for tools
     that read a checkpoint, ``--no-verify-checksums``."""
-    p = argparse.ArgumentParser(prog=f"peftckpt {command}", description=description)
+    p = argparse.ArgumentParser(prog=f"peftckpt {command}", description=description, formatter_class=HelpFormatter)
     p.add_argument(source.lower(), metavar=source, help=source_help)
     p.add_argument("out", metavar="OUT", help="new directory (must not exist or be empty)")
     if checksums:

@@ -1,11 +1,52 @@
-"""What every command's parsing shares."""
+"""What every command's parsing and error reporting share."""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
+import sys
+import traceback
 from collections.abc import Sequence
 
-__all__ = ["parse_or_exit_code"]
+__all__ = ["parse_or_exit_code", "print_error", "HelpFormatter", "DEBUG_ENV"]
+
+DEBUG_ENV = "PEFTCKPT_DEBUG"
+"""Set (to anything but empty or ``0``) to print the traceback under an expected error's one-line message."""
+
+
+def print_error(prog: str, exc: BaseException) -> None:
+    """``<prog>: error: <message>`` on stderr; the traceback too when :data:`DEBUG_ENV` is set."""
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"{prog}: error: {exc}", file=sys.stderr)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` that states every option's default: ``(default: X)``, ``(default: off)`` for switches; a
+    help text that already says its default (``default:``) is left as written."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings:  # argparse prints no help line at all without text
+            action = copy.copy(action)
+            action.help = ""
+            action.help = (self._get_help_string(action) or "").replace("%", "%%")
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or action.default is argparse.SUPPRESS or "default" in text
+                or action.dest == "help"):
+            return text
+        if action.nargs == 0:  # store_true / BooleanOptionalAction
+            said = "on" if action.default else "off"
+        elif action.default is None or action.default == []:
+            said = "none"
+        elif isinstance(action.default, list | tuple):
+            said = " ".join(map(str, action.default))
+        else:
+            said = str(action.default)
+        return f"{text.strip()} (default: {said})".lstrip()
 
 
 def parse_or_exit_code(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace | int:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
-from .parsing import parse_or_exit_code
+from .parsing import HelpFormatter, parse_or_exit_code
 
 __all__ = ["verify_main"]
 
@@ -17,6 +17,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peftckpt verify",
         description="Check a checkpoint offline: manifest, file sizes and checksums, DCP metadata.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "dir", metavar="DIR", help="a save directory (uses its tracker) or an iter_* directory"

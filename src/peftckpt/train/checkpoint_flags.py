@@ -51,6 +51,10 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background: training waits only for the copy to host memory")
     g.add_argument("--keep-last-k", type=int, default=None, help="keep only the newest K checkpoints in --save")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (what SLURM and Kubernetes send before preemption), finish the iteration, save "
+                   "a checkpoint, wait for its commit and exit 0; without it SIGTERM stops like Ctrl-C: at the "
+                   "next iteration boundary, without a new save, exit 143")
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
@@ -72,6 +76,8 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--async-save needs --ckpt-format torch_dist")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ArgumentError(f"--exit-interval must be >= 1, got {args.exit_interval}")
+    if args.exit_signal_handler and not args.save:
+        raise ArgumentError("--exit-signal-handler needs --save (where the checkpoint taken on SIGTERM goes)")
     if args.keep_last_k is not None and args.keep_last_k < 1:
         raise ArgumentError(f"--keep-last-k must be >= 1, got {args.keep_last_k}")
 

@@ -15,10 +15,12 @@ from torch import nn
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 from ..checkpoint.sections import DATA, ITERATION, MODEL, OPT_PARAM_SCHEDULER
+from ..checkpoint.storage_layout import iteration_dirname, read_tracker
 from ..checkpoint.strictness import StrictHandling
 from ..model.config import GPTConfig, LoRAConfig
 from ..parallel.dims import ParallelDims, ParallelMeshes
 from .data import GlobalBatchSampler
+from .interrupts import Stop
 from .metrics import MetricsLogger
 from .schedule import OptimizerParamScheduler
 
@@ -163,6 +165,22 @@ class TrainerCheckpointing:
         if self.args.save and self.last_saved != self.trainer.iteration:
             self.save()
         self.ckpt.wait()
+
+    def stop(self, stop: Stop) -> str:
+        """After the ranks agreed to stop on a signal: save first if the signal asks for it (and this iteration
+        is not saved yet), let a save in flight commit, and say where the run can resume from."""
+        a, t = self.args, self.trainer
+        if stop.save and self.last_saved != t.iteration:
+            self.save()
+        self.ckpt.wait()
+        said = f"{'stopped by' if stop.save else 'interrupted by'} {stop.name} at iteration {t.iteration}"
+        if not a.save:
+            return f"{said}; nothing was saved (no --save)"
+        last = read_tracker(a.save)
+        if last is None:
+            return f"{said}; no checkpoint is committed in --save {a.save} yet"
+        return (f"{said}; last committed checkpoint: {Path(a.save) / iteration_dirname(last)}; "
+                "rerun the same command to resume")
 
     def convert(self) -> None:
         """``--ckpt-convert-format``: re-save what ``--load`` restored in the other format."""

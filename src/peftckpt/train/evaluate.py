@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.strictness import StrictHandling
+from ..cli.parsing import print_error
 from .args import ArgumentError, build_parser, parse_train_args
 
 __all__ = ["evaluate", "eval_main"]
@@ -74,7 +74,7 @@ def eval_main(argv: Sequence[str]) -> int:
             raise ArgumentError("peftckpt eval needs --pretrained-checkpoint and/or --load (a model to evaluate)")
     except ArgumentError as e:
         if rank == 0:
-            print(f"peftckpt eval: error: {e}", file=sys.stderr)
+            print_error("peftckpt eval", e)
         return 2
     def body() -> None:
         report = evaluate(args, world_size, rank)

@@ -25,6 +25,23 @@ class MetricsLogger:
         self.log_interval = log_interval
         self.total_iters = total_iters
         self.start = time.monotonic()
+        self._line_width = 0
+        self._first: tuple[int, float] | None = None
+        """(iteration, time) of this run's first logged step: the ETA's rate counts from there, so a resumed run
+        and the first step's one-off costs do not skew it."""
+
+    def eta(self, iteration: int, now: float | None = None) -> str:
+        """Time left to ``total_iters`` at this run's mean rate so far, ``h:mm:ss`` (``?`` until it is known)."""
+        now = time.monotonic() if now is None else now
+        if self._first is None:
+            self._first = (iteration, now)
+        done = iteration - self._first[0]
+        if done <= 0:
+            return "?"
+        left = max(0, self.total_iters - iteration) * (now - self._first[1]) / done
+        minutes, seconds = divmod(int(round(left)), 60)
+        hours, minutes = divmod(minutes, 60)
+        return f"{hours}:{minutes:02d}:{seconds:02d}"
 
     def _append(self, record: dict[str, Any]) -> None:
         if self.enabled and self.path is not None:
@@ -36,12 +53,15 @@ class MetricsLogger:
                       "tokens_per_s": tokens_per_s})
         if not self.enabled:
             return
+        eta = self.eta(iteration)
         if self.progress:
             width = 30
             done = int(width * iteration / max(1, self.total_iters))
             bar = "#" * done + "." * (width - done)
-            self.stream.write(f"\r[{bar}] {iteration}/{self.total_iters} loss {loss:.4f} lr {lr:.2e} "
-                              f"|g| {grad_norm:.3f} {tokens_per_s:,.0f} tok/s")
+            line = (f"[{bar}] {iteration}/{self.total_iters} loss {loss:.4f} lr {lr:.2e} |g| {grad_norm:.3f} "
+                    f"{tokens_per_s:,.0f} tok/s ETA {eta}")
+            self.stream.write("\r" + line.ljust(self._line_width))  # blank what a longer line left behind
+            self._line_width = len(line)
             if iteration >= self.total_iters:
                 self.stream.write("\n")
             self.stream.flush()

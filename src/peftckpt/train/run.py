@@ -14,7 +14,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..checkpoint.errors import CheckpointError
+from ..cli.parsing import print_error
 from .args import ArgumentError
+from .interrupts import RunStopped, StopSignals
 
 __all__ = ["run_training", "run_with_process_group", "end_with_launcher", "exit_multi_rank"]
 
@@ -23,18 +25,30 @@ def run_with_process_group(body: Callable[[], None], world_size: int, rank: int,
     """Initialise gloo when ``world_size > 1``, run ``body``, tear down; returns the exit code.
 
     A user error (bad flag value found late, bad checkpoint) is printed as ``peftckpt <prog>: error: ...``
-    and gives 2 (flags) or 1 (checkpoints)."""
+    and gives 2 (flags) or 1 (checkpoints); a run stopped by a signal prints where it can resume and gives
+    its exit code (:mod:`~peftckpt.train.interrupts`)."""
     end_with_launcher()
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(minutes=10))
     code = 1
+    agreed = False  # every rank leaves at the same point: wait for the others before tearing down
     try:
         body()
-        code = 0
+        code, agreed = 0, True
+    except RunStopped as e:  # a signal, agreed by every rank
+        if rank == 0:
+            print(f"peftckpt {prog}: {e}", file=sys.stderr)
+        code, agreed = e.exit_code, True
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before the handlers): at once, wherever this rank was
+        if rank == 0:
+            print(f"peftckpt {prog}: interrupted at once; nothing more was saved", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)  # peers may be inside a collective: no teardown
     except (ArgumentError, CheckpointError) as e:
         # Raised alike on every rank: said once, by rank 0. Other errors may be one rank's own.
         if rank == 0 or not (isinstance(e, ArgumentError) or getattr(e, "every_rank", False)):
-            print(f"peftckpt {prog}: error: {e}", file=sys.stderr)
+            print_error(f"peftckpt {prog}", e)
         code = 2 if isinstance(e, ArgumentError) else 1
     finally:
         # Tear down while the interpreter is fully alive: drop every object that holds a process group
@@ -42,7 +56,7 @@ def run_with_process_group(body: Callable[[], None], world_size: int, rank: int,
         # during interpreter finalisation, or while a peer already closed its sockets, can abort the process.
         gc.collect()
         if dist.is_initialized():
-            if code == 0:
+            if agreed:
                 dist.barrier()
             dist.destroy_process_group()
     return code
@@ -56,8 +70,10 @@ def run_training(args: argparse.Namespace, world_size: int, rank: int) -> int:
         from .trainer import Trainer
 
         lock = check_checkpoint_paths(args, rank)  # before any model is built: fail now, not after training
+        signals = StopSignals(save_on_sigterm=args.exit_signal_handler, distributed=world_size > 1)
         try:
-            Trainer(args, world_size, rank).run()
+            with signals.installed():  # from here a signal stops the run at the next iteration boundary
+                Trainer(args, world_size, rank, stop=signals).run()
         finally:
             if lock is not None:
                 lock.release()

@@ -26,6 +26,7 @@ from ..parallel.pipeline import PipelineRunner
 from .args import ArgumentError, lora_config, model_config, parallel_dims
 from .checkpointing import TrainerCheckpointing
 from .data import GlobalBatchSampler, TokenDataset, build_datasets, dp_slice
+from .interrupts import RunStopped, StopSignals
 from .metrics import MetricsLogger
 from .schedule import OptimizerParamScheduler
 
@@ -60,10 +61,13 @@ class Trainer:
         4. Data: datasets, the deterministic global-batch sampler, the pipeline runner.
     """
 
-    def __init__(self, args: argparse.Namespace, world_size: int = 1, rank: int = 0):
+    def __init__(self, args: argparse.Namespace, world_size: int = 1, rank: int = 0,
+                 stop: StopSignals | None = None):
         self.args = args
         self.rank = rank
         self.distributed = world_size > 1
+        self.stop = stop or StopSignals()
+        """Signals asking the run to stop between iterations (``peftckpt train`` installs them)."""
         self.device = torch.device("cpu")
         # 1. layout
         self.dims: ParallelDims = parallel_dims(args, world_size)
@@ -223,10 +227,11 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- loop
     def iterations(self) -> Iterator[tuple[int, float]]:
-        """Train until ``--train-iters``, yielding ``(iteration, loss)`` after each step."""
+        """Train until ``--train-iters``, or until the ranks agree a signal stops the run (checked before
+        every step: :attr:`stop`), yielding ``(iteration, loss)`` after each step."""
         a = self.args
         tokens_per_step = a.global_batch_size * a.seq_length
-        while self.iteration < a.train_iters:
+        while self.iteration < a.train_iters and self.stop.agreed() is None:
             t0 = time.perf_counter()
             loss, lr, grad_norm = self.train_step()
             dt = time.perf_counter() - t0
@@ -252,5 +257,9 @@ class Trainer:
             ckpt.maybe_save()
             if self.args.exit_interval and iteration % self.args.exit_interval == 0:
                 break
+        stop = self.stop.agreed()
+        if stop is not None:
+            message = ckpt.stop(stop)
+            raise RunStopped(message, stop.exit_code)
         ckpt.finish()
         return self.losses
