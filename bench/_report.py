@@ -1,4 +1,4 @@
-"""The table and the targets (DESIGN.md §7, issue #6) of one benchmark run, from its results dict."""
+"""The table and the targets (issue #6) of one benchmark run, from its results dict."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     python bench/ckpt_bench.py --quick           # a small model, under a minute
     python bench/ckpt_bench.py --world-size 2 --tp 2  # our saves under torchrun (spawned by this script)
 
-Prints a table and the targets of DESIGN.md §7 (ratios from the same run) and writes everything to a JSON
+Prints a table and the performance targets (ratios from the same run) and writes everything to a JSON
 file (``--output``). With ``--world-size N`` the multi-rank measurements (ours, plain DCP, the raw disk on rank
 0, async, scaling) run in a worker mode of this script under ``torchrun``; the single-process peers
 (``torch.save``, HF PEFT) then run afterwards in this process. See bench/README.md for what each row means
@@ -49,7 +49,7 @@ from peftckpt.parallel.dims import ParallelDims, stage_layer_numbers
 CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up",
                      "linear_fc2")
 PROFILES: dict[str, dict[str, Any]] = {
-    # The reference model of DESIGN.md §7: 953M parameters, 3.8 GB in fp32, 40 MB of adapter at r=16.
+    # The reference model: 953M parameters, 3.8 GB in fp32, 40 MB of adapter at r=16.
     "default": dict(hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=16,
                     ffn_hidden_size=5632, vocab_size=32000, repeats=5, scaling_layers=[4, 8, 16, 32, 64],
                     scaling_hidden_size=256),

@@ -1,4 +1,4 @@
-"""``--dist-ckpt-strictness`` (DESIGN.md §4.4): ``check_keys`` against the table, then end to end through
+"""``--dist-ckpt-strictness``: ``check_keys`` against the table, then end to end through
 :class:`~peftckpt.checkpoint.api.Checkpointer` (single process, real DCP files)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from peftckpt.checkpoint.strictness import STRICTNESS_FLAG, KeyReport, StrictHan
 
 S = StrictHandling
 
-# DESIGN.md §4.4, one row per mode: (what happens to unexpected keys, what happens to missing keys).
+# Megatron-LM's eight modes, one row per mode: (what happens to unexpected keys, what happens to missing keys).
 # unexpected: "raise" | "warn" (removed) | "silent" (removed);  missing: "raise" | "warn" | "returned" | "ignored"
 TABLE: dict[StrictHandling, tuple[str, str]] = {
     S.ASSUME_OK_UNEXPECTED: ("raise", "ignored"),

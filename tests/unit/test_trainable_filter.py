@@ -1,4 +1,4 @@
-"""``--save-trainable-params-only`` (DESIGN.md §4.5): the section filter, then real trainable-only saves and
+"""``--save-trainable-params-only``: the section filter, then real trainable-only saves and
 loads through :class:`~peftckpt.checkpoint.api.Checkpointer` (single process)."""
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from .faults import fault_point
 from .fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
 from .integrity import dcp_problems, plan_problems
 from .legacy import load_legacy, save_rank_file
-from .load_checks import architecture_mismatch, base_mismatch, damaged, shape_mismatch
+from .load_checks import adapter_mismatch, architecture_mismatch, base_mismatch, damaged, shape_mismatch
 from .manifest import Manifest, read_manifest
 from .options import LoadOptions, LoadResult, SaveOptions
 from .parallel_layout import parallel_layout
@@ -494,6 +494,7 @@ class Checkpointer:
         ckpt, iteration, manifest, verification = self._resolve(path, options)
         # 2.
         self.comm.agree(architecture_mismatch(self.model_config, manifest, ckpt))
+        self.comm.agree(adapter_mismatch(self.adapter_config, manifest, ckpt))
         if manifest.trainable_only and options.verify_base and not model_only:
             # Fingerprint what the checkpoint calls its base (its excluded keys), not what is frozen now: a
             # parameter unfrozen since is reported below as an unexpected key, with its own hint.

@@ -7,6 +7,7 @@ collective.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -71,6 +72,9 @@ class Collectives:
             agreed = CheckpointError(f"{context} (rank {rank}: {message}); {said}")
             agreed.every_rank = True
             raise agreed from error
-        if error is not None:
-            raise error
-        raise CheckpointError(f"rank {rank} failed: {message}")
+        # Every rank raises, so the error is marked said-by-one: the lowest failing rank's own error on that
+        # rank and on every rank that failed alike; elsewhere one naming that rank.
+        raised = error if error is not None else CheckpointError(f"rank {rank} failed: {message}")
+        with contextlib.suppress(AttributeError):  # an exception type with __slots__ cannot take the mark
+            raised.every_rank = True  # type: ignore[union-attr]
+        raise raised

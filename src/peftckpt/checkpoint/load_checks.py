@@ -13,7 +13,7 @@ from ..sharding.entries import GlobalTensor
 from .errors import CheckpointIntegrityError, CheckpointMismatchError
 from .manifest import Manifest
 
-__all__ = ["architecture_mismatch", "base_mismatch", "damaged", "shape_mismatch"]
+__all__ = ["adapter_mismatch", "architecture_mismatch", "base_mismatch", "damaged", "shape_mismatch"]
 
 
 def damaged(ckpt: Path, problems: list[str], after_read: bool = False) -> CheckpointIntegrityError | None:
@@ -36,6 +36,33 @@ def architecture_mismatch(model_config: Mapping[str, Any], manifest: Manifest, c
         return None
     return CheckpointMismatchError(f"checkpoint {ckpt} was saved for a different architecture:\n"
                                    + "\n".join(diffs) + "\nfix the model flags to match the checkpoint")
+
+
+_ADAPTER_KEYS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules",
+                 "layers": "--lora-layers", "train_params": "--lora-train-params"}
+"""The adapter configuration that decides which tensors exist and what they compute (dropout may change)."""
+
+
+def _canonical(key: str, value: Any) -> Any:
+    return sorted(value) if key in ("target_modules", "layers", "train_params") and value is not None else value
+
+
+def adapter_mismatch(adapter_config: Mapping[str, Any] | None, manifest: Manifest, ckpt: Path
+                     ) -> CheckpointMismatchError | None:
+    """The adapter settings (rank, alpha, targets, layers, unfrozen base parameters) that differ between the
+    checkpoint and the model, as one error naming the trainer flag of each: a resume onto other adapters would
+    otherwise fail on shapes, or silently drop the adapters this model no longer has."""
+    saved = manifest.adapter_config
+    if not adapter_config or not saved:
+        return None
+    diffs = [f"  {key} ({flag}): checkpoint {saved.get(key)!r}, model {adapter_config.get(key)!r}"
+             for key, flag in _ADAPTER_KEYS.items() if key in saved and key in adapter_config
+             and _canonical(key, saved[key]) != _canonical(key, adapter_config[key])]
+    if not diffs:
+        return None
+    return CheckpointMismatchError(
+        f"checkpoint {ckpt} was saved with a different adapter configuration:\n" + "\n".join(diffs)
+        + "\nfix those flags to match the checkpoint, or leave the LoRA flags out to take the checkpoint's")
 
 
 def base_mismatch(manifest: Manifest, mine: str, ckpt: Path) -> CheckpointMismatchError | None:

@@ -1,7 +1,7 @@
 """The JSON manifest of a checkpoint (never pickle).
 
 The manifest is ``<ckpt>/metadata.json``; :mod:`peftckpt.checkpoint.storage_layout` writes it last, so
-its presence means "committed". It records what was saved and how (DESIGN.md §4.1) plus the size and
+its presence means "committed". It records what was saved and how plus the size and
 checksum of every other file of the checkpoint (:mod:`peftckpt.checkpoint.checksums` computes and checks
 them), and a SHA-256 of itself.
 """

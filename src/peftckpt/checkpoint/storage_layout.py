@@ -1,6 +1,6 @@
 """On-disk layout of a save directory and the crash-safe commit protocol.
 
-Layout (DESIGN.md §4.1)::
+Layout::
 
     <save>/latest_checkpointed_iteration.txt   "100": the tracker, rewritten atomically after a commit
     <save>/iter_0000100/                       one committed checkpoint
