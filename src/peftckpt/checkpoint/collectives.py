@@ -76,5 +76,5 @@ class Collectives:
         # rank and on every rank that failed alike; elsewhere one naming that rank.
         raised = error if error is not None else CheckpointError(f"rank {rank} failed: {message}")
         with contextlib.suppress(AttributeError):  # an exception type with __slots__ cannot take the mark
-            raised.every_rank = True  # type: ignore[union-attr]
+            raised.every_rank = True  # type: ignore[attr-defined]
         raise raised
