@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import sys
 
 import pytest
 
@@ -46,3 +47,16 @@ def test_progress_line_has_an_eta_from_this_runs_rate() -> None:
     assert log.eta(110, now=200.0) == "0:00:00"
     log.train(30, 1.0, 1e-3, 0.5, 100.0)
     assert "ETA " in out.getvalue() and out.getvalue().startswith("\r[")
+
+
+def test_ctrl_c_in_a_one_process_tool_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from peftckpt import cli
+
+    def interrupted(argv: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "verify", (__name__, "_interrupted_tool", "test"))
+    monkeypatch.setattr(sys.modules[__name__], "_interrupted_tool", interrupted, raising=False)
+    assert cli.main(["verify", "somewhere"]) == 130
+    assert capsys.readouterr().err == "peftckpt verify: interrupted\n"

@@ -65,7 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     module, function, _ = COMMANDS[command]
     entry: Callable[[Sequence[str]], int] = getattr(importlib.import_module(module), function)
-    return entry(rest)
+    try:
+        return entry(rest)
+    except KeyboardInterrupt:  # Ctrl-C in a one-process tool (an import or export removes what it had written)
+        print(f"peftckpt {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
