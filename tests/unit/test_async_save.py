@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from peftckpt.checkpoint import api
+from peftckpt.checkpoint import formats
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointError
 from peftckpt.checkpoint.storage_layout import read_tracker
@@ -70,7 +70,7 @@ def held_writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
         if point == "data" and threading.current_thread() is not threading.main_thread():
             assert release.wait(30), "the test never released the writer"
 
-    monkeypatch.setattr(api, "fault_point", fault_point)
+    monkeypatch.setattr(formats, "fault_point", fault_point)
     yield release
     release.set()
 

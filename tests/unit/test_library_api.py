@@ -25,7 +25,7 @@ from peftckpt import (
     LoadOptions,
     SaveOptions,
 )
-from peftckpt.checkpoint import api
+from peftckpt.checkpoint import api, formats
 from peftckpt.checkpoint.storage_layout import LOCK_FILENAME, read_tracker
 from peftckpt.sharding.entries import GlobalTensor
 
@@ -186,7 +186,7 @@ def test_a_failed_async_save_handle_raises_why_every_time(tmp_path: Path, monkey
         if point == "data" and threading.current_thread() is not threading.main_thread():
             assert release.wait(30)
 
-    monkeypatch.setattr(api, "fault_point", held)
+    monkeypatch.setattr(formats, "fault_point", held)
     model, opt, _ = _setup(0)
     ckpt = Checkpointer(model, opt)
     ckpt.save(tmp_path, 1)

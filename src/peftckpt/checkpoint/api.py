@@ -23,14 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..sharding.entries import GlobalTensor, LazyGlobalTensor
-from .async_save import PendingSave, host_copy
+from ..sharding.entries import GlobalTensor
+from .async_save import PendingSave
 from .checksums import (
-    ChecksummingFileSystem,
     files_share,
     is_data_file,
     verify_checksums,
@@ -48,15 +46,15 @@ from .errors import (
     as_read_error,
     unwrap_dcp_error,
 )
-from .faults import fault_point
 from .fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
-from .integrity import dcp_problems, plan_problems
-from .legacy import load_legacy, save_rank_file
+from .formats import WriteJob, storage_format
+from .integrity import plan_problems
+from .legacy import load_legacy
 from .load_checks import adapter_mismatch, architecture_mismatch, base_mismatch, damaged, shape_mismatch
 from .manifest import Manifest, read_manifest
 from .options import LoadOptions, LoadResult, SaveOptions
 from .parallel_layout import parallel_layout
-from .planners import EntryLoadPlanner, EntrySavePlanner
+from .planners import EntryLoadPlanner
 from .safe_pickle import SafeFileSystemReader
 from .save_lock import SaveDirLock, acquire_save_lock
 from .sections import (
@@ -95,23 +93,6 @@ class _Verify:
 
     ckpt: Path
     future: Future[list[str]] | None = None
-
-
-@contextlib.contextmanager
-def _no_zip_crc32() -> Iterator[None]:
-    """``torch.save`` without the zip CRC32 of each record, for the DCP write of a blocking save.
-
-    DCP frames every stored tensor with ``torch.save``, whose CRC32 (miniz, ~2.5 GB/s) is a fifth to a third of
-    a large save's time. The manifest's checksum of every file already covers those bytes, and ``torch.load``
-    reads records without a CRC. The switch is process-wide, so it is only flipped while the caller is
-    blocked in the save (an async save keeps the CRC: training, and maybe its own ``torch.save``, goes on).
-    """
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(previous)
 
 
 class Checkpointer:
@@ -238,7 +219,8 @@ class Checkpointer:
         clash = sorted(set(objects or {}) & set(self.states))
         if clash:
             raise ValueError(f"objects {clash} have the names of the checkpointer's states")
-        if self.states and options.ckpt_format != TORCH_DIST:
+        fmt = storage_format(options.ckpt_format, "SaveOptions.ckpt_format")
+        if self.states and not fmt.holds_states:
             raise CheckpointFormatError(f"the checkpointer's states ({', '.join(self.states)}) need "
                                         f"ckpt_format {TORCH_DIST!r}, not {options.ckpt_format!r}")
         object_names = list(objects or {}) + [f"{STATES}.{name}" for name in self.states]
@@ -293,44 +275,9 @@ class Checkpointer:
                                coords=self.coords, model_config=self.model_config,
                                adapter_config=self.adapter_config, args=dict(args or {}))
         try:
-            if options.ckpt_format == TORCH_DIST:
-                streamed = any(isinstance(v, LazyGlobalTensor) for v in flat.values())
-                # Lazy entries need DCP's serial loader (one item resolved, then written, then the next; see
-                # EntrySavePlanner); it is the only one without CUDA, and copy-ahead 0 selects it with CUDA.
-                writer = FileSystemWriter(staging, sync_files=True, thread_count=1,
-                                          per_thread_copy_ahead=0 if streamed else 10_000_000)
-                # Checksum each file as it is written (overlapping serialisation, I/O and hashing).
-                writer.fs = commit.checksums = ChecksummingFileSystem()
-                planner = EntrySavePlanner(on_item=lambda: fault_point("data", self.rank, iteration))
-                if options.async_save:
-                    # Training is blocked only for the copy to host memory; DCP plans and writes in a thread
-                    # of its own (plain `dcp.save` there: `dcp.async_save` would still walk every entry on
-                    # this thread before handing over).
-                    snapshot, self._host_buffers, check_frozen_unchanged = host_copy(flat, self._host_buffers)
-                    group = self._async_group()
-                    # The thread starts writing once this call returns, not competing with its end for the GIL.
-                    release = threading.Event()
-
-                    def write() -> Any:
-                        release.wait()
-                        result = dcp.save(snapshot, storage_writer=writer, planner=planner, process_group=group)
-                        check_frozen_unchanged()
-                        return result
-
-                    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
-                    commit.future = executor.submit(write)
-                    executor.shutdown(wait=False)  # its one thread ends with the save
-                    self._pending = commit
-                    error = None
-                else:
-                    with _no_zip_crc32():
-                        dcp.save(flat, storage_writer=writer, planner=planner, process_group=self.comm.group)
-            elif options.ckpt_format == TORCH:
-                fault_point("data", self.rank, iteration)
-                save_rank_file(staging, self.chunks, self.optimizer, self.coords, self.layout, flat,
-                                      options.save_optim)
-            else:
-                raise CheckpointFormatError(f"--ckpt-format must be torch_dist or torch, got {options.ckpt_format!r}")
+            release = fmt.write(WriteJob(flat, commit, self.rank, self.comm.group, self.chunks, self.optimizer,
+                                         self._host_buffers, self._async_group))
+            self._pending = commit if commit.future is not None else None
             error = None
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = unwrap_dcp_error(e)
@@ -435,15 +382,16 @@ class Checkpointer:
         manifest = read_manifest(ckpt)
         pending = _Verify(ckpt)
         shard = (self.rank, self.world)
-        later = options.verify_while_reading and manifest.format == TORCH_DIST
+        fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
+        later = options.verify_while_reading and fmt.hashes_while_reading
         # Presence, type and size of every file always (cheap); the hashing as the options say.
         hash_if = (lambda rel: not is_data_file(rel)) if later else None
         problems = verify_files(ckpt, manifest, shard, hash_if=hash_if if options.verify_checksums else lambda _: False)
         error: UnsafeCheckpointError | None = None
-        if manifest.format == TORCH_DIST and self.rank == 0:
+        if self.rank == 0:
             # Always, checksums or not: no storage item may lead outside the checkpoint or past a file's end.
             try:
-                problems += dcp_problems(ckpt, manifest)
+                problems += fmt.structure_problems(ckpt, manifest)
             except UnsafeCheckpointError as e:
                 error = e
         self.comm.agree(error)
@@ -520,14 +468,13 @@ class Checkpointer:
         object_keys = [] if model_only else list(options.objects)
         if not manifest.trainable_only:
             self._fingerprints.clear()  # a full checkpoint replaces the base too
-        if manifest.format == TORCH:
-            if self.states and not model_only:
-                raise CheckpointFormatError(f"checkpoint {ckpt} is in the legacy {TORCH!r} format, which holds no "
-                                            f"states ({', '.join(self.states)})")
+        fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
+        if self.states and not model_only and not fmt.holds_states:
+            raise CheckpointFormatError(f"checkpoint {ckpt} is in the legacy {TORCH!r} format, which holds no "
+                                        f"states ({', '.join(self.states)})")
+        if not fmt.reshards:  # one file per model-parallel rank, read as a whole at the layout it was saved at
             return load_legacy(self.chunks, self.optimizer, self.layout, self.coords, self.rank, ckpt, iteration,
                                manifest, request, options, object_keys, same_layout)
-        if manifest.format != TORCH_DIST:
-            raise CheckpointFormatError(f"{ckpt}: unknown checkpoint format {manifest.format!r}")
         reader = SafeFileSystemReader(ckpt)
         metadata = reader.read_metadata()
         self.comm.agree(shape_mismatch(request, metadata, ckpt))
@@ -708,7 +655,7 @@ class Checkpointer:
                 f"--pretrained-checkpoint {ckpt} is an adapter-only checkpoint (saved with "
                 "--save-trainable-params-only); it holds no base weights. Pass it as --load instead")
         self.comm.agree(architecture_mismatch(self.model_config, manifest, ckpt))
-        if manifest.format != TORCH_DIST:
+        if not storage_format(manifest.format, f"--pretrained-checkpoint {ckpt}").reshards:
             raise CheckpointFormatError(f"--pretrained-checkpoint {ckpt} must be torch_dist, got {manifest.format!r}")
         reader = SafeFileSystemReader(ckpt)
         metadata = reader.read_metadata()

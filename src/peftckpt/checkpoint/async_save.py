@@ -9,11 +9,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..sharding.entries import GlobalTensor
-from .commit import PendingCommit
 from .errors import CheckpointError
+
+if TYPE_CHECKING:  # the commit's formats write async saves with host_copy: a type, not an import, here
+    from .commit import PendingCommit
 
 __all__ = ["PendingSave", "host_copy"]
 

@@ -18,13 +18,10 @@ from .checksums import ChecksummingFileSystem, checksum_files
 from .collectives import Collectives
 from .errors import CheckpointError, CheckpointIntegrityError
 from .faults import fault_point
-from .integrity import DCP_METADATA_FILENAME, storage_problems, unwritten_pieces
-from .legacy import rank_file
+from .formats import storage_format
 from .manifest import Manifest
 from .options import SaveOptions
-from .safe_pickle import load_dcp_metadata
 from .storage_layout import apply_retention, commit_staging, read_tracker
-from .trainable import TORCH, TORCH_DIST
 
 __all__ = ["PendingCommit", "commit_checkpoint", "commit_outcome"]
 
@@ -81,11 +78,8 @@ def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
     error: BaseException | None = None
     mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded)
     try:
-        if c.options.ckpt_format == TORCH:
-            own = rank_file(c.staging, c.coords, c.layout)
-            written = [own] if own.is_file() and c.coords.get("dp", 0) == 0 else []
-        else:
-            written = sorted(c.staging.glob(f"__{comm.rank}_*"))
+        written = storage_format(c.options.ckpt_format, "SaveOptions.ckpt_format").files_written_by(
+            c.staging, comm.rank, c.coords, c.layout)
         checksum = checksum_files if c.checksums is None else c.checksums.checksums
         mine = (checksum(written, c.staging), c.kept, c.excluded)
     except OSError as e:  # e.g. the staging directory vanished: agreed below, never a hang in the gather
@@ -132,15 +126,11 @@ def build_manifest(c: PendingCommit, records: list[tuple[dict[str, Any], dict[st
     checksum = checksum_files if c.checksums is None else c.checksums.checksums
     others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix() not in files]
     files.update(checksum(others, c.staging))
-    if c.options.ckpt_format == TORCH_DIST:
-        try:
-            metadata = load_dcp_metadata(c.staging / DCP_METADATA_FILENAME)
-            problems = storage_problems(c.staging, metadata, files, saved_keys) + unwritten_pieces(metadata, held)
-        except CheckpointError as e:  # e.g. the staging directory was removed under the save
-            problems = [str(e)]
-        if problems:
-            raise CheckpointIntegrityError("the written checkpoint is not whole, so it is not committed:\n  "
-                                           + "\n  ".join(problems))
+    problems = storage_format(c.options.ckpt_format, "SaveOptions.ckpt_format").written_problems(
+        c.staging, files, saved_keys, held)
+    if problems:
+        raise CheckpointIntegrityError("the written checkpoint is not whole, so it is not committed:\n  "
+                                       + "\n  ".join(problems))
     return Manifest(
         format=c.options.ckpt_format, iteration=c.iteration, sections=c.sections, layout=c.layout,
         model_config=c.model_config, trainable_only=c.options.trainable_only, saved_keys=saved_keys,

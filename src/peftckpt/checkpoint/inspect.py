@@ -44,7 +44,8 @@ from peftckpt.checkpoint.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from peftckpt.checkpoint.integrity import DCP_METADATA_FILENAME, dcp_problems
+from peftckpt.checkpoint.formats import storage_format
+from peftckpt.checkpoint.integrity import DCP_METADATA_FILENAME
 from peftckpt.checkpoint.legacy import FILENAME as LEGACY_FILENAME
 from peftckpt.checkpoint.manifest import Manifest, read_manifest
 from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
@@ -339,11 +340,10 @@ def _size_problems(root: Path, manifest: Manifest) -> list[str]:
     unlisted files, and whether DCP's metadata describes a whole checkpoint made of those files; for
     ``--no-verify-checksums`` and the cheap states of a save directory's entries."""
     problems = verify_files(root, manifest, hash_if=lambda _rel: False)
-    if manifest.format == TORCH_DIST:
-        try:
-            problems += dcp_problems(root, manifest)
-        except UnsafeCheckpointError as exc:
-            problems.append(str(exc))
+    try:
+        problems += storage_format(manifest.format, f"checkpoint {root}").structure_problems(root, manifest)
+    except UnsafeCheckpointError as exc:
+        problems.append(str(exc))
     return list(dict.fromkeys(problems))
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from peftckpt.checkpoint.checksums import verify_files
 from peftckpt.checkpoint.errors import UnsafeCheckpointError
-from peftckpt.checkpoint.integrity import DCP_METADATA_FILENAME, dcp_problems
+from peftckpt.checkpoint.formats import storage_format
+from peftckpt.checkpoint.integrity import DCP_METADATA_FILENAME
 from peftckpt.checkpoint.manifest import read_manifest
 from peftckpt.checkpoint.storage_layout import resolve_checkpoint_dir
 
@@ -75,10 +76,10 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
             f"{ckpt_dir}: manifest says iteration {manifest.iteration} but the directory is iteration {iteration}"
         )
     report.problems.extend(verify_files(ckpt_dir, manifest))  # 3
-    if manifest.format == "torch_dist":  # 4
-        try:
-            report.problems.extend(dcp_problems(ckpt_dir, manifest))
-        except UnsafeCheckpointError as exc:
-            report.problems.append(str(exc))
+    try:  # 4
+        report.problems.extend(storage_format(manifest.format, f"checkpoint {ckpt_dir}").structure_problems(
+            ckpt_dir, manifest))
+    except UnsafeCheckpointError as exc:
+        report.problems.append(str(exc))
     report.problems = list(dict.fromkeys(report.problems))  # a missing file is found by steps 3 and 4
     return report

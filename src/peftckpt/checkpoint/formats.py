@@ -1,0 +1,206 @@
+"""Checkpoint storage formats behind one small protocol: ``torch_dist`` (DCP: reshardable, the default) and the
+legacy ``torch`` format (one file per model-parallel rank, :mod:`~peftckpt.checkpoint.legacy`).
+
+A caller asks a format what it can do (:class:`StorageFormat`'s flags) and lets it do its part of a save (write
+this rank's files; name them; check the written whole), of a load (read into the request) and of the offline
+checks (is the stored structure sound); nothing else branches on a format's name. :func:`storage_format` looks
+one up, refusing an unknown name with a message that says where it came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+
+from ..sharding.entries import LazyGlobalTensor
+from .async_save import host_copy
+from .checksums import ChecksummingFileSystem
+from .errors import CheckpointError, CheckpointFormatError
+from .faults import fault_point
+from .integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems, unwritten_pieces
+from .legacy import rank_file, save_rank_file
+from .manifest import TORCH, TORCH_DIST, Manifest
+from .planners import EntrySavePlanner
+from .safe_pickle import load_dcp_metadata
+
+if TYPE_CHECKING:
+    from .commit import PendingCommit
+
+__all__ = ["StorageFormat", "WriteJob", "TorchDistFormat", "LegacyTorchFormat", "FORMATS", "storage_format"]
+
+
+@dataclass
+class WriteJob:
+    """Step 3 of a save on one rank: what to write, where, and with what."""
+
+    flat: dict[str, Any]
+    """This rank's ``{storage key: entry}``."""
+    commit: PendingCommit
+    """The save being made; an async write hands it its future, a checksumming writer its digests."""
+    rank: int
+    group: dist.ProcessGroup | None
+    chunks: Sequence[nn.Module]
+    optimizer: torch.optim.Optimizer | None
+    host_buffers: dict[str, Any] = field(default_factory=dict)
+    """Reused pinned/host buffers of async saves (updated by the write)."""
+    async_group: Callable[[], dist.ProcessGroup | None] | None = None
+    """The background save's own process group (created on first use)."""
+
+
+class StorageFormat(Protocol):
+    """What the checkpointer, the commit and the offline tools ask of a format."""
+
+    name: ClassVar[str]
+    holds_states: ClassVar[bool]
+    """Can hold per-rank objects such as the checkpointer's ``states``."""
+    reshards: ClassVar[bool]
+    """Loads at any layout (and serves as a base for ``load_pretrained`` and the offline tools)."""
+    hashes_while_reading: ClassVar[bool]
+    """A load can hash its data files while it reads them (else they are verified first)."""
+
+    def write(self, job: WriteJob) -> threading.Event | None:
+        """Write this rank's files into ``job.commit.staging``. An async write returns the event that lets its
+        thread start (set once every rank agreed the write began)."""
+        ...
+
+    def files_written_by(self, staging: Path, rank: int, coords: Mapping[str, int],
+                         layout: Mapping[str, int]) -> list[Path]:
+        """The files this rank wrote (it checksums them for the manifest)."""
+        ...
+
+    def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
+                         held: Mapping[str, list[tuple[int, list[int], list[int]]]]) -> list[str]:
+        """Why the written staging directory is not a whole checkpoint (rank 0, before the commit)."""
+        ...
+
+    def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
+        """Offline check of the stored structure against the manifest (raises ``UnsafeCheckpointError`` for
+        metadata that must not be used at all)."""
+        ...
+
+
+@contextlib.contextmanager
+def _no_zip_crc32() -> Iterator[None]:
+    """``torch.save`` without the zip CRC32 of each record, for the DCP write of a blocking save.
+
+    DCP frames every stored tensor with ``torch.save``, whose CRC32 (miniz, ~2.5 GB/s) is a fifth to a third of
+    a large save's time. The manifest's checksum of every file already covers those bytes, and ``torch.load``
+    reads records without a CRC. The switch is process-wide, so it is only flipped while the caller is
+    blocked in the save (an async save keeps the CRC: training, and maybe its own ``torch.save``, goes on).
+    """
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+class TorchDistFormat:
+    """DCP: every rank writes ``__<rank>_*.distcp`` files, rank 0 the ``.metadata``; global keys, resharding."""
+
+    name: ClassVar[str] = TORCH_DIST
+    holds_states: ClassVar[bool] = True
+    reshards: ClassVar[bool] = True
+    hashes_while_reading: ClassVar[bool] = True
+
+    def write(self, job: WriteJob) -> threading.Event | None:
+        c = job.commit
+        streamed = any(isinstance(v, LazyGlobalTensor) for v in job.flat.values())
+        # Lazy entries need DCP's serial loader (one item resolved, then written, then the next; see
+        # EntrySavePlanner); it is the only one without CUDA, and copy-ahead 0 selects it with CUDA.
+        writer = FileSystemWriter(c.staging, sync_files=True, thread_count=1,
+                                  per_thread_copy_ahead=0 if streamed else 10_000_000)
+        # Checksum each file as it is written (overlapping serialisation, I/O and hashing).
+        writer.fs = c.checksums = ChecksummingFileSystem()
+        planner = EntrySavePlanner(on_item=lambda: fault_point("data", job.rank, c.iteration))
+        if not c.options.async_save:
+            with _no_zip_crc32():
+                dcp.save(job.flat, storage_writer=writer, planner=planner, process_group=job.group)
+            return None
+        # Training is blocked only for the copy to host memory; DCP plans and writes in a thread of its own
+        # (plain `dcp.save` there: `dcp.async_save` would still walk every entry on this thread first).
+        snapshot, buffers, check_frozen_unchanged = host_copy(job.flat, job.host_buffers)
+        job.host_buffers.clear()
+        job.host_buffers.update(buffers)
+        group = None if job.async_group is None else job.async_group()
+        release = threading.Event()  # the thread starts once the save call returns, not competing for the GIL
+
+        def write() -> Any:
+            release.wait()
+            result = dcp.save(snapshot, storage_writer=writer, planner=planner, process_group=group)
+            check_frozen_unchanged()
+            return result
+
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
+        c.future = executor.submit(write)
+        executor.shutdown(wait=False)  # its one thread ends with the save
+        return release
+
+    def files_written_by(self, staging: Path, rank: int, coords: Mapping[str, int],
+                         layout: Mapping[str, int]) -> list[Path]:
+        return sorted(staging.glob(f"__{rank}_*"))
+
+    def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
+                         held: Mapping[str, list[tuple[int, list[int], list[int]]]]) -> list[str]:
+        try:
+            metadata = load_dcp_metadata(staging / DCP_METADATA_FILENAME)
+            return storage_problems(staging, metadata, dict(files), dict(saved_keys)) + unwritten_pieces(
+                metadata, dict(held))
+        except CheckpointError as e:  # e.g. the staging directory was removed under the save
+            return [str(e)]
+
+    def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
+        return dcp_problems(root, manifest)
+
+
+class LegacyTorchFormat:
+    """Megatron's ``torch`` format: one ``mp_rank_XX[_YYY]/model_optim_rng.pt`` per model-parallel rank, loadable
+    only at the layout it was saved at; data-parallel replicas write nothing."""
+
+    name: ClassVar[str] = TORCH
+    holds_states: ClassVar[bool] = False
+    reshards: ClassVar[bool] = False
+    hashes_while_reading: ClassVar[bool] = False
+
+    def write(self, job: WriteJob) -> threading.Event | None:
+        c = job.commit
+        fault_point("data", job.rank, c.iteration)
+        save_rank_file(c.staging, job.chunks, job.optimizer, c.coords, c.layout, job.flat, c.options.save_optim)
+        return None
+
+    def files_written_by(self, staging: Path, rank: int, coords: Mapping[str, int],
+                         layout: Mapping[str, int]) -> list[Path]:
+        own = rank_file(staging, coords, layout)
+        return [own] if own.is_file() and coords.get("dp", 0) == 0 else []
+
+    def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
+                         held: Mapping[str, list[tuple[int, list[int], list[int]]]]) -> list[str]:
+        return []  # each file is one rank's whole state; the manifest's checksums cover them
+
+    def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
+        return []
+
+
+FORMATS: dict[str, StorageFormat] = {f.name: f for f in (TorchDistFormat(), LegacyTorchFormat())}
+
+
+def storage_format(name: str, where: str) -> StorageFormat:
+    """The format called ``name``; ``where`` says in the error where the unknown name came from."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise CheckpointFormatError(f"{where}: unknown checkpoint format {name!r} (known: "
+                                    f"{', '.join(FORMATS)})") from None
+
