@@ -159,6 +159,10 @@ def test_states_are_checked(tmp_path: Path) -> None:
                                                                       options=SaveOptions(ckpt_format="torch"))
     with pytest.raises(ValueError, match="layout and coords go together"):
         Checkpointer(model, opt, layout={"tp": 1, "pp": 1, "dp": 1, "vpp": 1})
+    with pytest.raises(CheckpointFormatError, match=r"SaveOptions.ckpt_format: unknown checkpoint format 'zarr' "
+                       r"\(known: torch_dist, torch\)"):
+        Checkpointer(model, opt).save(tmp_path / "zarr", 1, options=SaveOptions(ckpt_format="zarr"))
+    assert not (tmp_path / "zarr").exists()  # refused before anything was written
 
 
 def test_async_save_returns_a_handle_whose_result_is_the_committed_path(tmp_path: Path) -> None:
