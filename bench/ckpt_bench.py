@@ -38,8 +38,9 @@ from torch.distributed.tensor import DTensor
 from _peers import HFPeft, PlainDCP, TorchSave, hf_available
 from _report import report
 from _timing import RAW_BLOCK_BYTES, Ctx, Stat, dir_bytes, evict, machine_info, raw_read, raw_write, rmtree
-from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions, _no_zip_crc32
+from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.checksums import checksum_files
+from peftckpt.checkpoint.formats import no_zip_crc32
 from peftckpt.checkpoint.planners import EntrySavePlanner
 from peftckpt.checkpoint.sections import ensure_optimizer_state
 from peftckpt.checkpoint.trainable import TORCH_DIST
@@ -238,7 +239,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
     def bare_save(trainable_only: bool) -> Step:
         def save(d: Path) -> None:
             flat, _, _ = ck._state(trainable_only, TORCH_DIST, True, OBJECTS, True)
-            with _no_zip_crc32():  # framed as our blocking save frames it
+            with no_zip_crc32():  # framed as our blocking save frames it
                 dcp.save(flat, storage_writer=FileSystemWriter(d, sync_files=True, thread_count=1),
                          planner=EntrySavePlanner())
         return save_step(dirs, f"bare-{trainable_only}", save)

@@ -37,7 +37,7 @@ from .safe_pickle import load_dcp_metadata
 if TYPE_CHECKING:
     from .commit import PendingCommit
 
-__all__ = ["StorageFormat", "WriteJob", "TorchDistFormat", "LegacyTorchFormat", "FORMATS", "storage_format"]
+__all__ = ["StorageFormat", "WriteJob", "TorchDistFormat", "LegacyTorchFormat", "FORMATS", "storage_format", "no_zip_crc32"]
 
 
 @dataclass
@@ -91,7 +91,7 @@ class StorageFormat(Protocol):
 
 
 @contextlib.contextmanager
-def _no_zip_crc32() -> Iterator[None]:
+def no_zip_crc32() -> Iterator[None]:
     """``torch.save`` without the zip CRC32 of each record, for the DCP write of a blocking save.
 
     DCP frames every stored tensor with ``torch.save``, whose CRC32 (miniz, ~2.5 GB/s) is a fifth to a third of
@@ -126,7 +126,7 @@ class TorchDistFormat:
         writer.fs = c.checksums = ChecksummingFileSystem()
         planner = EntrySavePlanner(on_item=lambda: fault_point("data", job.rank, c.iteration))
         if not c.options.async_save:
-            with _no_zip_crc32():
+            with no_zip_crc32():
                 dcp.save(job.flat, storage_writer=writer, planner=planner, process_group=job.group)
             return None
         # Training is blocked only for the copy to host memory; DCP plans and writes in a thread of its own
