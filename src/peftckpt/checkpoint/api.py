@@ -15,7 +15,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from .errors import (
     unwrap_dcp_error,
 )
 from .fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
-from .formats import WriteJob, storage_format
+from .formats import StorageFormat, WriteJob, storage_format
 from .integrity import plan_problems
 from .legacy import load_legacy
 from .load_checks import adapter_mismatch, architecture_mismatch, base_mismatch, damaged, shape_mismatch
@@ -78,6 +78,7 @@ from .sections import (
 )
 from .storage_layout import (
     clean_stale_staging,
+    iteration_dirname,
     new_staging_dir,
     resolve_checkpoint_dir,
 )
@@ -93,6 +94,20 @@ class _Verify:
 
     ckpt: Path
     future: Future[list[str]] | None = None
+
+
+@dataclass
+class _WantedObjects:
+    """The stored objects a load reads besides tensors: all their keys, and what each is for."""
+
+    keys: list[str]
+    groups: list[str] = field(default_factory=list)
+    """The optimizer's param groups, one per saving rank."""
+    extra: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
+    """Extra state: storage key -> (chunk, its state_dict name)."""
+    rng: str | None = None
+    states: dict[str, str] = field(default_factory=dict)
+    """The checkpointer's states: name -> storage key."""
 
 
 class Checkpointer:
@@ -216,20 +231,48 @@ class Checkpointer:
         save = Path(save_dir).absolute()
         self.wait()  # at most one save in flight; an earlier async failure surfaces here
         # 1.
-        clash = sorted(set(objects or {}) & set(self.states))
+        fmt = storage_format(options.ckpt_format, "SaveOptions.ckpt_format")
+        commit, flat = self._save_entries(save, iteration, objects or {}, options, fmt)
+        commit.args = dict(args or {})
+        # 2.
+        commit.staging = self._new_staging(save, iteration)
+        # 3.
+        release: threading.Event | None = None
+        error: BaseException | None = None
+        try:
+            release = fmt.write(WriteJob(flat, commit, self.rank, self.comm.group, self.chunks, self.optimizer,
+                                         self._host_buffers, self._async_group))
+            self._pending = commit if commit.future is not None else None
+        except BaseException as e:  # noqa: BLE001 - reported collectively below
+            error = unwrap_dcp_error(e)
+            self._pending = None
+        try:
+            self.comm.agree(error, f"saving iteration {iteration} to {save} failed")
+        finally:
+            if release is not None:
+                release.set()  # the background write may start
+        # 4. + 5. (an async save commits in wait(), once every rank finished writing)
+        self._last = commit
+        if self._pending is None:
+            commit_checkpoint(self.comm, commit)
+        return save / iteration_dirname(iteration)
+
+    def _save_entries(self, save: Path, iteration: int, objects: Mapping[str, Any], options: SaveOptions,
+                      fmt: StorageFormat) -> tuple[PendingCommit, dict[str, Any]]:
+        """Save step 1 (collective): this rank's entries and the records of the commit to come, refused on
+        every rank -- before anything is written -- unless every rank's pieces tile each tensor exactly once."""
+        clash = sorted(set(objects) & set(self.states))
         if clash:
             raise ValueError(f"objects {clash} have the names of the checkpointer's states")
-        fmt = storage_format(options.ckpt_format, "SaveOptions.ckpt_format")
         if self.states and not fmt.holds_states:
             raise CheckpointFormatError(f"the checkpointer's states ({', '.join(self.states)}) need "
                                         f"ckpt_format {TORCH_DIST!r}, not {options.ckpt_format!r}")
-        object_names = list(objects or {}) + [f"{STATES}.{name}" for name in self.states]
-        objects = {**(objects or {}), **{state_key(name, self.rank): obj.state_dict()
-                                         for name, obj in self.states.items()}}
+        object_names = list(objects) + [f"{STATES}.{name}" for name in self.states]
+        objects = {**objects, **{state_key(name, self.rank): obj.state_dict() for name, obj in self.states.items()}}
         error: BaseException | None = None
         try:
             flat, kept, excluded = self._state(options.trainable_only, options.ckpt_format,
-                                               options.save_optim, objects or {}, options.save_rng)
+                                               options.save_optim, objects, options.save_rng)
             fingerprint = self.fingerprint() if options.trainable_only else None
         except CheckpointError as e:
             error = e
@@ -249,10 +292,22 @@ class Checkpointer:
                             if isinstance(v, GlobalTensor))
             if not any(self.comm.gather(trainable)) and self.rank == 0:
                 warnings.warn("--save-trainable-params-only: no model parameter is trainable, so this checkpoint "
-                              "holds no model parameters (buffers only, if any)", stacklevel=2)
-        # 2.
+                              "holds no model parameters (buffers only, if any)", stacklevel=3)
+        sections = model_section_names(len(self.chunks)) + (
+            [OPTIMIZER] if options.save_optim and self.optimizer is not None else []) + (
+            [RNG_STATE] if options.save_rng else []) + object_names
+        # `staging` is set by step 2, once the directory exists.
+        commit = PendingCommit(save=save, staging=save, iteration=iteration, options=options, kept=kept,
+                               excluded=excluded, planned=planned, sections=sections, fingerprint=fingerprint,
+                               layout=self.layout, coords=self.coords, model_config=self.model_config,
+                               adapter_config=self.adapter_config)
+        return commit, flat
+
+    def _new_staging(self, save: Path, iteration: int) -> Path:
+        """Save step 2 (collective): rank 0 locks ``save`` and clears stale staging; all ranks get one new
+        staging directory."""
         staging_name: str | None = None
-        error = None
+        error: BaseException | None = None
         if self.rank == 0:
             try:
                 self.lock(save)  # no other live run saves here, so every staging directory left is stale
@@ -263,34 +318,8 @@ class Checkpointer:
         self.comm.agree(error, f"saving iteration {iteration} to {save} failed")
         staging_name = self.comm.broadcast_from_first(staging_name)
         assert staging_name is not None
-        staging = Path(staging_name)
         self.comm.barrier()
-        # 3.
-        release: threading.Event | None = None
-        sections = model_section_names(len(self.chunks)) + (
-            [OPTIMIZER] if options.save_optim and self.optimizer is not None else []) + (
-            [RNG_STATE] if options.save_rng else []) + object_names
-        commit = PendingCommit(save=save, staging=staging, iteration=iteration, options=options, kept=kept,
-                               excluded=excluded, planned=planned, sections=sections, fingerprint=fingerprint, layout=self.layout,
-                               coords=self.coords, model_config=self.model_config,
-                               adapter_config=self.adapter_config, args=dict(args or {}))
-        try:
-            release = fmt.write(WriteJob(flat, commit, self.rank, self.comm.group, self.chunks, self.optimizer,
-                                         self._host_buffers, self._async_group))
-            self._pending = commit if commit.future is not None else None
-            error = None
-        except BaseException as e:  # noqa: BLE001 - reported collectively below
-            error = unwrap_dcp_error(e)
-            self._pending = None
-        try:
-            self.comm.agree(error, f"saving iteration {iteration} to {save} failed")
-        finally:
-            if release is not None:
-                release.set()
-        self._last = commit
-        if self._pending is None:
-            commit_checkpoint(self.comm, commit)
-        return save / f"iter_{iteration:07d}"
+        return Path(staging_name)
 
     # ------------------------------------------------------------------------------------- async
     def async_save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
@@ -430,26 +459,63 @@ class Checkpointer:
         Steps:
             1. Resolve the directory (tracker), read the manifest, verify the files (split over ranks; the
                data files' checksums in a thread, while step 4 reads them).
-            2. Check the architecture; for a trainable-only checkpoint check the base fingerprint.
-            3. Build the request -- filtered like the save for a trainable-only checkpoint -- and apply the
-               strictness mode against the checkpoint's keys.
-            4. Read (DCP resharding, or the legacy per-rank files at the same layout); finish the checksums;
-               apply extra state, optimizer groups, the checkpointer's states (in place) and the RNG state.
+            2. Check that the checkpoint fits this model: architecture, adapter configuration and, for a
+               trainable-only checkpoint, the base fingerprint.
+            3. Build the request -- filtered like the save for a trainable-only checkpoint.
+            4. Read it: the legacy per-rank files at the same layout, or DCP (resharding) after the stored
+               shapes and the strictness mode are checked against the request; finish the checksums; apply
+               extra state, optimizer groups, the checkpointer's states (in place) and the RNG state.
         """
         options = options or LoadOptions()
         self.wait()  # an async save in flight is committed first: it may be the checkpoint asked for
         # 1.
         ckpt, iteration, manifest, verification = self._resolve(path, options)
+        fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
+        if self.states and not model_only and not fmt.holds_states:
+            raise CheckpointFormatError(f"checkpoint {ckpt} is in the legacy {TORCH!r} format, which holds no "
+                                        f"states ({', '.join(self.states)})")
         # 2.
+        self._check_fits(ckpt, manifest, options, model_only)
+        # 3.
+        request, with_optim = self._load_request(ckpt, manifest, options, model_only)
+        same_layout = {k: manifest.layout.get(k) for k in ("tp", "pp", "dp", "vpp")} == {
+            k: self.layout.get(k) for k in ("tp", "pp", "dp", "vpp")}
+        object_keys = [] if model_only else list(options.objects)
+        if not manifest.trainable_only:
+            self._fingerprints.clear()  # a full checkpoint replaces the base too
+        # 4.
+        if not fmt.reshards:  # one file per model-parallel rank, read as a whole at the layout it was saved at
+            return load_legacy(self.chunks, self.optimizer, self.layout, self.coords, self.rank, ckpt, iteration,
+                               manifest, request, options, object_keys, same_layout)
+        reader = SafeFileSystemReader(ckpt)
+        metadata = reader.read_metadata()
+        self.comm.agree(shape_mismatch(request, metadata, ckpt))
+        report = self._check_keys(ckpt, manifest, metadata, request, options, with_optim)
+        wanted = self._objects_to_read(manifest, metadata, object_keys, options, model_only, with_optim,
+                                       same_layout, ckpt)
+        request.update(dict.fromkeys(wanted.keys))
+        self._read(request, reader, verification)
+        objects = {k: request[k] for k in wanted.keys}
+        self._apply_objects(ckpt, objects, wanted, options, with_optim)
+        if options.load_rng and not model_only and not same_layout and self.rank == 0:
+            warnings.warn(f"checkpoint layout {manifest.layout} differs from this run's {self.layout}: "
+                          "RNG state is re-seeded instead of restored", stacklevel=2)
+        return LoadResult(ckpt, iteration, manifest, objects, report, rng_restored=wanted.rng is not None)
+
+    def _check_fits(self, ckpt: Path, manifest: Manifest, options: LoadOptions, model_only: bool) -> None:
+        """Load step 2 (collective): refuse a checkpoint made for another architecture, adapter or base."""
         self.comm.agree(architecture_mismatch(self.model_config, manifest, ckpt))
         self.comm.agree(adapter_mismatch(self.adapter_config, manifest, ckpt))
         if manifest.trainable_only and options.verify_base and not model_only:
             # Fingerprint what the checkpoint calls its base (its excluded keys), not what is frozen now: a
-            # parameter unfrozen since is reported below as an unexpected key, with its own hint.
+            # parameter unfrozen since is reported as an unexpected key, with its own hint.
             mine = self.fingerprint(sorted(manifest.excluded_keys),
                                     fingerprint_version(manifest.base_fingerprint or ""))
             self.comm.agree(base_mismatch(manifest, mine, ckpt))
-        # 3.
+
+    def _load_request(self, ckpt: Path, manifest: Manifest, options: LoadOptions, model_only: bool
+                      ) -> tuple[dict[str, Any], bool]:
+        """Load step 3: this rank's ``{storage key: entry}`` to read, and whether it includes the optimizer."""
         with_optim = options.load_optim and not model_only
         if with_optim and self.optimizer is not None and OPTIMIZER not in manifest.sections:
             # Recorded, not guessed: the manifest says the save left the optimizer out (--no-save-optim,
@@ -457,27 +523,17 @@ class Checkpointer:
             with_optim = False
             if self.rank == 0:
                 warnings.warn(f"checkpoint {ckpt} was saved without optimizer state (--no-save-optim or an "
-                              "import): the optimizer starts fresh", stacklevel=2)
+                              "import): the optimizer starts fresh", stacklevel=3)
         request = self._request(manifest.trainable_only, with_optim)
         if manifest.trainable_only:  # buffers, which trainable-only saves of earlier releases left out
             for k in set(manifest.excluded_keys) & set(request):
                 if not request[k].requires_grad:
                     request.pop(k)
-        same_layout = {k: manifest.layout.get(k) for k in ("tp", "pp", "dp", "vpp")} == {
-            k: self.layout.get(k) for k in ("tp", "pp", "dp", "vpp")}
-        object_keys = [] if model_only else list(options.objects)
-        if not manifest.trainable_only:
-            self._fingerprints.clear()  # a full checkpoint replaces the base too
-        fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
-        if self.states and not model_only and not fmt.holds_states:
-            raise CheckpointFormatError(f"checkpoint {ckpt} is in the legacy {TORCH!r} format, which holds no "
-                                        f"states ({', '.join(self.states)})")
-        if not fmt.reshards:  # one file per model-parallel rank, read as a whole at the layout it was saved at
-            return load_legacy(self.chunks, self.optimizer, self.layout, self.coords, self.rank, ckpt, iteration,
-                               manifest, request, options, object_keys, same_layout)
-        reader = SafeFileSystemReader(ckpt)
-        metadata = reader.read_metadata()
-        self.comm.agree(shape_mismatch(request, metadata, ckpt))
+        return request, with_optim
+
+    def _check_keys(self, ckpt: Path, manifest: Manifest, metadata: Any, request: dict[str, Any],
+                    options: LoadOptions, with_optim: bool) -> KeyReport:
+        """The strictness mode against the stored keys (collective); unexpected keys leave the request."""
         saved = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
         hints = {k: ("trainable now but frozen when the checkpoint was saved, so it is not in it: its value must "
                      "come from --pretrained-checkpoint; --dist-ckpt-strictness log_unexpected keeps that value")
@@ -485,49 +541,50 @@ class Checkpointer:
         all_requested = None
         if options.strictness.needs_missing:
             all_requested = {k for keys in self.comm.gather(sorted(request)) for k in keys}
-            saved_scope = {k for k in saved if k.startswith((MODEL + ".", OPTIMIZER + ".")) and
-                           (with_optim or not k.startswith(OPTIMIZER + "."))}
-        else:
-            saved_scope = saved
+            saved = {k for k in saved if k.startswith((MODEL + ".", OPTIMIZER + ".")) and
+                     (with_optim or not k.startswith(OPTIMIZER + "."))}
         error: BaseException | None = None
         report = KeyReport()
         try:
-            report = check_keys(options.strictness, request, saved_scope if options.strictness.needs_missing
-                                else saved, self.rank, all_requested, hints, source=f"checkpoint {ckpt}")
+            report = check_keys(options.strictness, request, saved, self.rank, all_requested, hints,
+                                source=f"checkpoint {ckpt}")
         except CheckpointError as e:
             error = e
         self.comm.agree(error)
         for k in report.unexpected:
             request.pop(k, None)
+        return report
+
+    def _objects_to_read(self, manifest: Manifest, metadata: Any, object_keys: Sequence[str], options: LoadOptions,
+                         model_only: bool, with_optim: bool, same_layout: bool, ckpt: Path) -> _WantedObjects:
+        """The stored objects a DCP load reads besides tensors, and what each is for."""
         bytes_keys = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
-        wanted_objects = [k for k in object_keys if k in bytes_keys]
-        group_keys = sorted(k for k in bytes_keys if k.startswith(f"{OPTIMIZER}.{PARAM_GROUPS}."))
+        wanted = _WantedObjects(keys=[k for k in object_keys if k in bytes_keys])
         if with_optim:
-            wanted_objects += group_keys
+            wanted.groups = sorted(k for k in bytes_keys if k.startswith(f"{OPTIMIZER}.{PARAM_GROUPS}."))
         # Extra state (e.g. Transformer Engine's FP8 metadata) of a full checkpoint goes back through
         # `set_extra_state`; a trainable-only checkpoint never holds any.
-        extra: dict[str, tuple[nn.Module, str]] = {}
         if not manifest.trainable_only:
             for chunk in self.chunks:
                 for name, value in chunk.state_dict(keep_vars=True).items():
                     if not isinstance(value, torch.Tensor) and dcp_key(MODEL, name) in bytes_keys:
-                        extra[dcp_key(MODEL, name)] = (chunk, name)
-        wanted_objects += list(extra)
+                        wanted.extra[dcp_key(MODEL, name)] = (chunk, name)
         rng_key = f"{RNG_STATE}.{self.rank}"
-        load_rng = options.load_rng and not model_only and same_layout and rng_key in bytes_keys
-        if load_rng:
-            wanted_objects.append(rng_key)
-        state_keys = {} if model_only else self._state_keys(ckpt, bytes_keys)
-        wanted_objects += list(state_keys.values())
-        for k in wanted_objects:
-            request[k] = None
-        # 4.
-        self._read(request, reader, verification)
-        objects = {k: request[k] for k in wanted_objects}
-        for k, (chunk, name) in extra.items():
+        if options.load_rng and not model_only and same_layout and rng_key in bytes_keys:
+            wanted.rng = rng_key
+        wanted.states = {} if model_only else self._state_keys(ckpt, bytes_keys)
+        wanted.keys += wanted.groups + list(wanted.extra) + ([wanted.rng] if wanted.rng else []) + list(
+            wanted.states.values())
+        return wanted
+
+    def _apply_objects(self, ckpt: Path, objects: dict[str, Any], wanted: _WantedObjects, options: LoadOptions,
+                       with_optim: bool) -> None:
+        """Put the read objects where they belong (taking them out of ``objects``): extra state, optimizer
+        groups (collective check), the checkpointer's states, the RNG state."""
+        for k, (chunk, name) in wanted.extra.items():
             chunk.load_state_dict({name: objects.pop(k)}, strict=False)
         if with_optim and self.optimizer is not None:
-            saved_groups = merge_param_groups([objects.pop(k) for k in group_keys])
+            saved_groups = merge_param_groups([objects.pop(k) for k in wanted.groups])
             if not saved_groups:
                 absent = [f"{OPTIMIZER}.{PARAM_GROUPS}"]
             else:
@@ -539,14 +596,10 @@ class Checkpointer:
                                         f"{len(absent)} parameter(s): {', '.join(absent[:10])}; pass "
                                         "--no-load-optim to start a fresh optimizer")
             self.comm.agree(error)
-        for name, key in state_keys.items():
+        for name, key in wanted.states.items():
             self.states[name].load_state_dict(objects.pop(key))
-        if load_rng:
-            restore_rng(objects.pop(rng_key))
-        elif options.load_rng and not model_only and not same_layout and self.rank == 0:
-            warnings.warn(f"checkpoint layout {manifest.layout} differs from this run's {self.layout}: "
-                          "RNG state is re-seeded instead of restored", stacklevel=2)
-        return LoadResult(ckpt, iteration, manifest, objects, report, rng_restored=load_rng)
+        if wanted.rng is not None:
+            restore_rng(objects.pop(wanted.rng))
 
     def _state_keys(self, ckpt: Path, stored: set[str]) -> dict[str, str]:
         """The stored key each of :attr:`states` is restored from (collective): this rank's own copy, or rank
