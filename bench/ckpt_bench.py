@@ -39,11 +39,11 @@ from _peers import HFPeft, PlainDCP, TorchSave, hf_available
 from _report import report
 from _timing import RAW_BLOCK_BYTES, Ctx, Stat, dir_bytes, evict, machine_info, raw_read, raw_write, rmtree
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
-from peftckpt.checkpoint.checksums import checksum_files
-from peftckpt.checkpoint.formats import no_zip_crc32
-from peftckpt.checkpoint.planners import EntrySavePlanner
-from peftckpt.checkpoint.sections import ensure_optimizer_state
-from peftckpt.checkpoint.trainable import TORCH_DIST
+from peftckpt.checkpoint.state.sections import ensure_optimizer_state
+from peftckpt.checkpoint.state.trainable import TORCH_DIST
+from peftckpt.checkpoint.storage.checksums import checksum_files
+from peftckpt.checkpoint.storage.formats import no_zip_crc32
+from peftckpt.checkpoint.storage.planners import EntrySavePlanner
 from peftckpt.model import GPTConfig, GPTModel, LoRAConfig, apply_lora
 from peftckpt.parallel.dims import ParallelDims, stage_layer_numbers
 

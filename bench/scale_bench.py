@@ -235,7 +235,7 @@ def main() -> None:
 def fingerprint_rates(cfg: dict[str, int]) -> dict[str, float]:
     """G elements/s of each fingerprint version on one core, over one rank's TP=2 shard of an MLP weight (the
     fingerprint's CPU cost; a base load overlaps it with reading)."""
-    from peftckpt.checkpoint.fingerprint import FINGERPRINT_VERSION, base_fingerprint
+    from peftckpt.checkpoint.state.fingerprint import FINGERPRINT_VERSION, base_fingerprint
     from peftckpt.sharding.entries import GlobalTensor, Piece
 
     threads = torch.get_num_threads()

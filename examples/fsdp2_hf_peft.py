@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from peftckpt import Checkpointer, CheckpointNotFoundError, SaveOptions
-from peftckpt.checkpoint.offline import open_checkpoint
+from peftckpt.checkpoint.tools.offline import open_checkpoint
 
 CONFIG: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)

@@ -16,10 +16,10 @@ _EXPORTS = {
     "CheckpointError": "checkpoint.errors", "CheckpointFormatError": "checkpoint.errors",
     "CheckpointIntegrityError": "checkpoint.errors", "CheckpointMismatchError": "checkpoint.errors",
     "CheckpointNotFoundError": "checkpoint.errors", "StrictnessError": "checkpoint.errors",
-    "UnsafeCheckpointError": "checkpoint.errors", "SaveDirInUseError": "checkpoint.save_lock",
-    "StrictHandling": "checkpoint.strictness", "KeyReport": "checkpoint.strictness",
-    "Manifest": "checkpoint.manifest", "read_manifest": "checkpoint.manifest",
-    "VerifyReport": "checkpoint.verify", "verify_checkpoint": "checkpoint.verify",
+    "UnsafeCheckpointError": "checkpoint.errors", "SaveDirInUseError": "checkpoint.storage.save_lock",
+    "StrictHandling": "checkpoint.checks.strictness", "KeyReport": "checkpoint.checks.strictness",
+    "Manifest": "checkpoint.storage.manifest", "read_manifest": "checkpoint.storage.manifest",
+    "VerifyReport": "checkpoint.tools.verify", "verify_checkpoint": "checkpoint.tools.verify",
     "declare_fused": "sharding.layout", "FusedChunks": "sharding.layout",
 }
 

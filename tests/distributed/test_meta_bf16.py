@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import peftckpt.model.gpt as gpt_module
-from peftckpt.checkpoint.fingerprint import FINGERPRINT_VERSION
+from peftckpt.checkpoint.state.fingerprint import FINGERPRINT_VERSION
 from peftckpt.model.config import LoRAConfig
 from peftckpt.model.gpt import GPTModel
 from peftckpt.model.lora import apply_lora

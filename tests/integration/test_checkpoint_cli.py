@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from peftckpt.checkpoint.checksums import checksum_files
+from peftckpt.checkpoint.storage.checksums import checksum_files
 from peftckpt.model.gpt import param_generator
 
 from .cli import TINY, peftckpt, read_dcp_tensors, train_records

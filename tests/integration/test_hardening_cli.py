@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from peftckpt.checkpoint.storage_layout import TRACKER_FILENAME, read_tracker
+from peftckpt.checkpoint.storage.storage_layout import TRACKER_FILENAME, read_tracker
 
 from .cli import TINY, all_committed_verify, launch, no_worker_traceback, peftckpt, until
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from peftckpt.checkpoint.verify import verify_checkpoint
+from peftckpt.checkpoint.tools.verify import verify_checkpoint
 
 from .cli import TINY, env
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peftckpt.checkpoint.fingerprint import base_fingerprint
+from peftckpt.checkpoint.state.fingerprint import base_fingerprint
 from peftckpt.sharding.entries import global_tensor_of
 
 from .cli import TINY, dir_bytes, peftckpt, read_dcp_tensors, train_records

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from peftckpt.checkpoint import formats
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointError
-from peftckpt.checkpoint.storage_layout import read_tracker
+from peftckpt.checkpoint.storage import formats
+from peftckpt.checkpoint.storage.storage_layout import read_tracker
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

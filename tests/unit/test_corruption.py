@@ -13,8 +13,8 @@ import torch
 
 from peftckpt.checkpoint.api import LoadOptions
 from peftckpt.checkpoint.errors import CheckpointError, UnsafeCheckpointError
-from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.verify import verify_checkpoint
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
+from peftckpt.checkpoint.tools.verify import verify_checkpoint
 from peftckpt.cli.verify import verify_main
 from tests.unit.small_model import small_checkpointer
 
@@ -102,7 +102,7 @@ def test_crafted_metadata_is_refused_by_verify_and_load(pristine: Path, tmp_path
     md.planner_data = {"x": _Payload(marker)}
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     # re-record the manifest's checksum of the crafted file, as an attacker would
-    from peftckpt.checkpoint.checksums import checksum_files
+    from peftckpt.checkpoint.storage.checksums import checksum_files
 
     manifest = json.loads((ckpt / "metadata.json").read_text())
     manifest.pop("manifest_sha256")

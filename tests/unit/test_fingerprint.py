@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from peftckpt.checkpoint import fingerprint as fingerprint_module
-from peftckpt.checkpoint.fingerprint import Fingerprinting, base_fingerprint
+from peftckpt.checkpoint.state import fingerprint as fingerprint_module
+from peftckpt.checkpoint.state.fingerprint import Fingerprinting, base_fingerprint
 from peftckpt.sharding.entries import GlobalTensor, Piece, global_tensor_of
 
 VERSION = 3

@@ -29,20 +29,20 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 
 from peftckpt.checkpoint.api import LoadOptions, SaveOptions
-from peftckpt.checkpoint.checksums import checksum_files
 from peftckpt.checkpoint.errors import CheckpointError, CheckpointFormatError, UnsafeCheckpointError
-from peftckpt.checkpoint.inspect import inspect_path
-from peftckpt.checkpoint.offline import open_checkpoint
-from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.save_lock import SaveDirInUseError, acquire_save_lock
-from peftckpt.checkpoint.storage_layout import (
+from peftckpt.checkpoint.storage.checksums import checksum_files
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
+from peftckpt.checkpoint.storage.save_lock import SaveDirInUseError, acquire_save_lock
+from peftckpt.checkpoint.storage.storage_layout import (
     TRACKER_FILENAME,
     commit_staging,
     list_committed,
     new_staging_dir,
     read_tracker,
 )
-from peftckpt.checkpoint.verify import verify_checkpoint
+from peftckpt.checkpoint.tools.inspect import inspect_path
+from peftckpt.checkpoint.tools.offline import open_checkpoint
+from peftckpt.checkpoint.tools.verify import verify_checkpoint
 from tests.unit.small_model import small_checkpointer
 
 KEY = "model.0.weight"
@@ -349,7 +349,7 @@ def test_garbled_trackers_are_messages(tmp_path: Path, content: str | bytes) -> 
 
 
 def test_commit_failure_says_what_is_committed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import peftckpt.checkpoint.storage_layout as layout
+    import peftckpt.checkpoint.storage.storage_layout as layout
 
     save = tmp_path / "save"
     ckpt, _ = small_checkpointer()
@@ -386,7 +386,7 @@ def test_retention_never_deletes_the_checkpoint_just_committed(tmp_path: Path) -
 # ---------------------------------------------------------------------------------------------- run lock
 _HOLD = """
 import sys, time
-from peftckpt.checkpoint.save_lock import acquire_save_lock
+from peftckpt.checkpoint.storage.save_lock import acquire_save_lock
 acquire_save_lock(sys.argv[1])
 print("held", flush=True)
 sys.stdin.read()

@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from peftckpt.checkpoint.api import Checkpointer, SaveOptions
-from peftckpt.checkpoint.checksums import checksum_files
-from peftckpt.checkpoint.inspect import (
+from peftckpt.checkpoint.storage.checksums import checksum_files
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
+from peftckpt.checkpoint.storage.storage_layout import new_staging_dir, write_tracker
+from peftckpt.checkpoint.tools.inspect import (
     COMMITTED,
     CORRUPTED,
     SCHEMA_PATH,
@@ -26,8 +28,6 @@ from peftckpt.checkpoint.inspect import (
     InspectReport,
     inspect_path,
 )
-from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.storage_layout import new_staging_dir, write_tracker
 from peftckpt.cli.inspect import inspect_main
 from peftckpt.cli.inspect_text import render_text
 

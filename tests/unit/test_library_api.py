@@ -25,8 +25,9 @@ from peftckpt import (
     LoadOptions,
     SaveOptions,
 )
-from peftckpt.checkpoint import api, formats
-from peftckpt.checkpoint.storage_layout import LOCK_FILENAME, read_tracker
+from peftckpt.checkpoint import api
+from peftckpt.checkpoint.storage import formats
+from peftckpt.checkpoint.storage.storage_layout import LOCK_FILENAME, read_tracker
 from peftckpt.sharding.entries import GlobalTensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -242,8 +243,8 @@ def test_the_readme_library_example_runs_and_resumes(tmp_path: Path, monkeypatch
 
 
 def test_plan_and_commit_coverage_checks_name_regions_and_ranks(tmp_path: Path) -> None:
-    from peftckpt.checkpoint.integrity import plan_problems, unwritten_pieces
-    from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
+    from peftckpt.checkpoint.checks.integrity import plan_problems, unwritten_pieces
+    from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 
     shape = [8, 4]
     replicas = [{"w": (shape, [([0, 0], [8, 4])])}, {"w": (shape, [([0, 0], [8, 4])])}]

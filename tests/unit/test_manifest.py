@@ -10,7 +10,8 @@ import pytest
 import xxhash
 
 import peftckpt
-from peftckpt.checkpoint.checksums import (
+from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
+from peftckpt.checkpoint.storage.checksums import (
     CHECKSUM_ALGORITHM,
     HASH_BLOCK_BYTES,
     ChecksummingFileSystem,
@@ -18,9 +19,8 @@ from peftckpt.checkpoint.checksums import (
     checksum_files,
     verify_files,
 )
-from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
-from peftckpt.checkpoint.manifest import FORMAT_VERSION, Manifest, read_manifest
-from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
+from peftckpt.checkpoint.storage.manifest import FORMAT_VERSION, Manifest, read_manifest
+from peftckpt.checkpoint.storage.storage_layout import MANIFEST_FILENAME
 
 
 def _manifest(**kw: object) -> Manifest:

@@ -11,10 +11,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from peftckpt.checkpoint import readahead
-from peftckpt.checkpoint.planners import EntryLoadPlanner, EntrySavePlanner
-from peftckpt.checkpoint.readahead import ReadAhead, _merge
-from peftckpt.checkpoint.safe_pickle import SafeFileSystemReader
+from peftckpt.checkpoint.storage import readahead
+from peftckpt.checkpoint.storage.planners import EntryLoadPlanner, EntrySavePlanner
+from peftckpt.checkpoint.storage.readahead import ReadAhead, _merge
+from peftckpt.checkpoint.storage.safe_pickle import SafeFileSystemReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, UnsafeCheckpointError
-from peftckpt.checkpoint.safe_pickle import SafeFileSystemReader, load_dcp_metadata
+from peftckpt.checkpoint.storage.safe_pickle import SafeFileSystemReader, load_dcp_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

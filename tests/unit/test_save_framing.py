@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from peftckpt.checkpoint.api import Checkpointer, SaveOptions
-from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 from tests.integration.cli import read_dcp_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError
-from peftckpt.checkpoint.storage_layout import (
+from peftckpt.checkpoint.storage.storage_layout import (
     MANIFEST_FILENAME,
     TRACKER_FILENAME,
     CheckpointFallbackWarning,

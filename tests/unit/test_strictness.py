@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, LoadResult, SaveOptions
+from peftckpt.checkpoint.checks.strictness import STRICTNESS_FLAG, KeyReport, StrictHandling, check_keys
 from peftckpt.checkpoint.errors import CheckpointError, StrictnessError
-from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.strictness import STRICTNESS_FLAG, KeyReport, StrictHandling, check_keys
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 
 S = StrictHandling
 

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, LoadResult, SaveOptions
+from peftckpt.checkpoint.checks.strictness import KeyReport, StrictHandling
 from peftckpt.checkpoint.errors import CheckpointError, CheckpointMismatchError, StrictnessError
-from peftckpt.checkpoint.fingerprint import base_fingerprint
-from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.sections import model_entries
-from peftckpt.checkpoint.strictness import KeyReport, StrictHandling
-from peftckpt.checkpoint.trainable import check_format_for_trainable_only, filter_trainable
+from peftckpt.checkpoint.state.fingerprint import base_fingerprint
+from peftckpt.checkpoint.state.sections import model_entries
+from peftckpt.checkpoint.state.trainable import check_format_for_trainable_only, filter_trainable
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 from peftckpt.sharding.entries import GlobalTensor, Piece, global_tensor_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -402,7 +402,7 @@ def test_full_load_restores_extra_state(tmp_path: Path) -> None:
 def test_an_old_fingerprint_is_checked_with_its_own_formula(tmp_path: Path, version: int) -> None:
     """Checkpoints written before fingerprint version 3 recorded ``sha256:...`` (version 1) or
     ``v2:sha256:...``: they still load onto their base, and still refuse another base."""
-    from peftckpt.checkpoint.checksums import checksum_files
+    from peftckpt.checkpoint.storage.checksums import checksum_files
 
     block, opt = _trained()
     _save(tmp_path, block, opt, trainable_only=True)

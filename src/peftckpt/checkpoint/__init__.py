@@ -12,6 +12,7 @@ from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .api import Checkpointer, LoadOptions, LoadResult, SaveOptions
+    from .checks.strictness import KeyReport, StrictHandling
     from .errors import (
         CheckpointError,
         CheckpointFormatError,
@@ -21,19 +22,18 @@ if TYPE_CHECKING:
         StrictnessError,
         UnsafeCheckpointError,
     )
-    from .manifest import Manifest, read_manifest
-    from .strictness import KeyReport, StrictHandling
-    from .trainable import TORCH, TORCH_DIST, filter_trainable
-    from .verify import VerifyReport, verify_checkpoint
+    from .state.trainable import TORCH, TORCH_DIST, filter_trainable
+    from .storage.manifest import Manifest, read_manifest
+    from .tools.verify import VerifyReport, verify_checkpoint
 
 _EXPORTS = {
     "Checkpointer": ".api", "LoadOptions": ".api", "LoadResult": ".api", "SaveOptions": ".api",
     "CheckpointError": ".errors", "CheckpointFormatError": ".errors", "CheckpointIntegrityError": ".errors",
     "CheckpointMismatchError": ".errors", "CheckpointNotFoundError": ".errors", "StrictnessError": ".errors",
-    "UnsafeCheckpointError": ".errors", "Manifest": ".manifest", "read_manifest": ".manifest",
-    "KeyReport": ".strictness", "StrictHandling": ".strictness", "TORCH": ".trainable",
-    "TORCH_DIST": ".trainable", "filter_trainable": ".trainable", "VerifyReport": ".verify",
-    "verify_checkpoint": ".verify",
+    "UnsafeCheckpointError": ".errors", "Manifest": ".storage.manifest", "read_manifest": ".storage.manifest",
+    "KeyReport": ".checks.strictness", "StrictHandling": ".checks.strictness", "TORCH": ".state.trainable",
+    "TORCH_DIST": ".state.trainable", "filter_trainable": ".state.trainable", "VerifyReport": ".tools.verify",
+    "verify_checkpoint": ".tools.verify",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

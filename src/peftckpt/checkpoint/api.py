@@ -28,12 +28,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..sharding.entries import GlobalTensor
 from .async_save import PendingSave
-from .checksums import (
-    files_share,
-    is_data_file,
-    verify_checksums,
-    verify_files,
+from .checks.integrity import plan_problems
+from .checks.load_checks import (
+    adapter_mismatch,
+    architecture_mismatch,
+    base_mismatch,
+    damaged,
+    shape_mismatch,
 )
+from .checks.strictness import KeyReport, check_keys
 from .collectives import Collectives
 from .commit import PendingCommit, commit_checkpoint
 from .errors import (
@@ -46,18 +49,10 @@ from .errors import (
     as_read_error,
     unwrap_dcp_error,
 )
-from .fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
-from .formats import StorageFormat, WriteJob, storage_format
-from .integrity import plan_problems
-from .legacy import load_legacy
-from .load_checks import adapter_mismatch, architecture_mismatch, base_mismatch, damaged, shape_mismatch
-from .manifest import Manifest, read_manifest
 from .options import LoadOptions, LoadResult, SaveOptions
 from .parallel_layout import parallel_layout
-from .planners import EntryLoadPlanner
-from .safe_pickle import SafeFileSystemReader
-from .save_lock import SaveDirLock, acquire_save_lock
-from .sections import (
+from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
+from .state.sections import (
     CHECKPOINT_VERSION,
     CHECKPOINT_VERSION_VALUE,
     MODEL,
@@ -76,14 +71,25 @@ from .sections import (
     state_key,
     tensor_records,
 )
-from .storage_layout import (
+from .state.trainable import TORCH, TORCH_DIST, filter_trainable
+from .storage.checksums import (
+    files_share,
+    is_data_file,
+    verify_checksums,
+    verify_files,
+)
+from .storage.formats import StorageFormat, WriteJob, storage_format
+from .storage.legacy import load_legacy
+from .storage.manifest import Manifest, read_manifest
+from .storage.planners import EntryLoadPlanner
+from .storage.safe_pickle import SafeFileSystemReader
+from .storage.save_lock import SaveDirLock, acquire_save_lock
+from .storage.storage_layout import (
     clean_stale_staging,
     iteration_dirname,
     new_staging_dir,
     resolve_checkpoint_dir,
 )
-from .strictness import KeyReport, check_keys
-from .trainable import TORCH, TORCH_DIST, filter_trainable
 
 __all__ = ["Checkpointer", "SaveOptions", "LoadOptions", "LoadResult", "PendingSave"]
 
@@ -216,15 +222,15 @@ class Checkpointer:
         Steps:
             1. Build this rank's entries; with ``trainable_only`` filter the model sections (this refuses a
                non-``torch_dist`` format before anything is written). Every rank's pieces must tile each
-               tensor exactly once (:func:`~peftckpt.checkpoint.integrity.plan_problems`), or nothing is written.
+               tensor exactly once (:func:`~peftckpt.checkpoint.checks.integrity.plan_problems`), or nothing is written.
             2. Rank 0 locks the save directory (one run at a time, see
-               :func:`~peftckpt.checkpoint.save_lock.acquire_save_lock`) and removes stale staging
+               :func:`~peftckpt.checkpoint.storage.save_lock.acquire_save_lock`) and removes stale staging
                directories; all ranks agree on a fresh staging directory.
             3. Every rank writes its shards into staging (DCP, or one legacy file per model-parallel rank).
             4. Every rank checksums its own files; rank 0 gathers them with the key records and checks that
-               the checkpoint is whole (:func:`~peftckpt.checkpoint.integrity.storage_problems`).
+               the checkpoint is whole (:func:`~peftckpt.checkpoint.checks.integrity.storage_problems`).
             5. Rank 0 writes the manifest, renames staging to ``iter_XXXXXXX`` and updates the tracker
-               (see :func:`~peftckpt.checkpoint.storage_layout.commit_staging`); then applies retention,
+               (see :func:`~peftckpt.checkpoint.storage.storage_layout.commit_staging`); then applies retention,
                which never deletes the checkpoint just committed.
         """
         options = options or SaveOptions()

@@ -1,8 +1,8 @@
 """Steps 4 and 5 of a save: the commit of a fully written staging directory.
 
 Every rank checksums its own files; rank 0 gathers them with the key records, refuses a checkpoint that is not
-whole (:func:`~peftckpt.checkpoint.integrity.storage_problems`), writes the manifest, renames staging to
-``iter_XXXXXXX`` and moves the tracker (:func:`~peftckpt.checkpoint.storage_layout.commit_staging`), then
+whole (:func:`~peftckpt.checkpoint.checks.integrity.storage_problems`), writes the manifest, renames staging to
+``iter_XXXXXXX`` and moves the tracker (:func:`~peftckpt.checkpoint.storage.storage_layout.commit_staging`), then
 applies retention. A failure says exactly what it left committed and where the tracker points.
 """
 
@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checksums import ChecksummingFileSystem, checksum_files
 from .collectives import Collectives
 from .errors import CheckpointError, CheckpointIntegrityError
 from .faults import fault_point
-from .formats import storage_format
-from .manifest import Manifest
 from .options import SaveOptions
-from .storage_layout import apply_retention, commit_staging, read_tracker
+from .storage.checksums import ChecksummingFileSystem, checksum_files
+from .storage.formats import storage_format
+from .storage.manifest import Manifest
+from .storage.storage_layout import apply_retention, commit_staging, read_tracker
 
 __all__ = ["PendingCommit", "commit_checkpoint", "commit_outcome"]
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .manifest import Manifest
-from .strictness import KeyReport, StrictHandling
-from .trainable import TORCH_DIST
+from .checks.strictness import KeyReport, StrictHandling
+from .state.trainable import TORCH_DIST
+from .storage.manifest import Manifest
 
 __all__ = ["SaveOptions", "LoadOptions", "LoadResult"]
 

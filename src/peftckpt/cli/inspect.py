@@ -1,5 +1,5 @@
 """``peftckpt inspect DIR [--keys] [--json] [--no-verify-checksums]``: parsing first (``--help`` imports no
-torch), then the report (:mod:`peftckpt.checkpoint.inspect`) and its text (:mod:`peftckpt.cli.inspect_text`)."""
+torch), then the report (:mod:`peftckpt.checkpoint.tools.inspect`) and its text (:mod:`peftckpt.cli.inspect_text`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.storage_layout import MANIFEST_FILENAME, TRACKER_FILENAME
+from ..checkpoint.storage.storage_layout import MANIFEST_FILENAME, TRACKER_FILENAME
 from .parsing import HelpFormatter, parse_or_exit_code, print_error
 
 __all__ = ["inspect_main"]
@@ -60,7 +60,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
     args = parse_or_exit_code(_build_parser(), argv)
     if isinstance(args, int):
         return args
-    from ..checkpoint.inspect import inspect_path
+    from ..checkpoint.tools.inspect import inspect_path
     from .inspect_text import render_text
 
     try:

@@ -1,14 +1,14 @@
-"""Text rendering of :mod:`peftckpt.checkpoint.inspect` reports (``peftckpt inspect`` without ``--json``)."""
+"""Text rendering of :mod:`peftckpt.checkpoint.tools.inspect` reports (``peftckpt inspect`` without ``--json``)."""
 
 from __future__ import annotations
 
-from peftckpt.checkpoint.inspect import (
+from peftckpt.checkpoint.state.sections import MODEL, OPTIMIZER, RNG_STATE
+from peftckpt.checkpoint.storage.storage_layout import TRACKER_FILENAME
+from peftckpt.checkpoint.tools.inspect import (
     CheckpointReport,
     InspectReport,
     KeyRecord,
 )
-from peftckpt.checkpoint.sections import MODEL, OPTIMIZER, RNG_STATE
-from peftckpt.checkpoint.storage_layout import TRACKER_FILENAME
 
 __all__ = ["render_text"]
 

@@ -35,7 +35,9 @@ def verify_main(argv: list[str] | None = None) -> int:
     if not target.exists():
         print(f"peftckpt verify: error: DIR {target} does not exist", file=sys.stderr)
         return 2
-    from ..checkpoint.verify import verify_checkpoint  # torch: not needed to parse flags or print --help
+    from ..checkpoint.tools.verify import (
+        verify_checkpoint,  # torch: not needed to parse flags or print --help
+    )
 
     try:
         report = verify_checkpoint(target)

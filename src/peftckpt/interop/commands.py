@@ -20,10 +20,10 @@ from torch import nn
 
 from ..checkpoint.api import Checkpointer, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
-from ..checkpoint.fingerprint import fingerprint_version
-from ..checkpoint.manifest import read_manifest
-from ..checkpoint.offline import OfflineCheckpoint, lazy_entries, lazy_fingerprint, open_checkpoint
-from ..checkpoint.storage_layout import resolve_checkpoint_dir
+from ..checkpoint.state.fingerprint import fingerprint_version
+from ..checkpoint.storage.manifest import read_manifest
+from ..checkpoint.storage.storage_layout import resolve_checkpoint_dir
+from ..checkpoint.tools.offline import OfflineCheckpoint, lazy_entries, lazy_fingerprint, open_checkpoint
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
 from ..model.lora import apply_lora

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.fingerprint import FINGERPRINT_VERSION
-from ..checkpoint.offline import lazy_fingerprint
+from ..checkpoint.state.fingerprint import FINGERPRINT_VERSION
+from ..checkpoint.tools.offline import lazy_fingerprint
 from ..model.config import GPTConfig
 from .hf_llama import (
     CONFIG_FILE,

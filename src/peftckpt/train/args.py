@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint.manifest import Manifest
+from ..checkpoint.storage.manifest import Manifest
 from ..cli.parsing import HelpFormatter
 from ..model.config import (
     ALL_LORA_TARGETS,
@@ -268,8 +268,8 @@ def _manifest_of(path: str | None) -> Manifest | None:
     if not path:
         return None
     from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.manifest import read_manifest
-    from ..checkpoint.storage_layout import resolve_checkpoint_dir
+    from ..checkpoint.storage.manifest import read_manifest
+    from ..checkpoint.storage.storage_layout import resolve_checkpoint_dir
 
     try:
         with warnings.catch_warnings():

@@ -8,10 +8,10 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..checkpoint.checks.strictness import StrictHandling
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.manifest import TORCH, TORCH_DIST
-from ..checkpoint.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
-from ..checkpoint.strictness import StrictHandling
+from ..checkpoint.storage.manifest import TORCH, TORCH_DIST
+from ..checkpoint.storage.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
 from .errors import ArgumentError
 
 __all__ = ["add_checkpoint_args", "validate_checkpoint_args", "check_checkpoint_paths"]

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
+from ..checkpoint.checks.strictness import StrictHandling
 from ..checkpoint.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
-from ..checkpoint.sections import DATA, ITERATION, MODEL, OPT_PARAM_SCHEDULER
-from ..checkpoint.storage_layout import iteration_dirname, read_tracker
-from ..checkpoint.strictness import StrictHandling
+from ..checkpoint.state.sections import DATA, ITERATION, MODEL, OPT_PARAM_SCHEDULER
+from ..checkpoint.storage.storage_layout import iteration_dirname, read_tracker
 from ..model.config import GPTConfig, LoRAConfig
 from ..parallel.dims import ParallelDims, ParallelMeshes
 from .data import GlobalBatchSampler

@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..checkpoint.strictness import StrictHandling
+from ..checkpoint.checks.strictness import StrictHandling
 from ..cli.parsing import print_error
 from .args import ArgumentError, build_parser, parse_train_args
 

@@ -90,7 +90,8 @@ class StopSignals:
                 signal.signal(s, handler)
 
     def _code(self) -> int:
-        """0 = no signal, 1 = stop, 2 = save and stop (the larger wins across ranks), times 64 + signum."""
+        """This rank's signal as one number, ``kind * 64 + signum`` with kind 1 = stop, 2 = save and stop (0: no
+        signal), so the maximum over the ranks is the answer: a save wins over a plain stop."""
         if self.received is None:
             return 0
         save = self.received == signal.SIGTERM and self.save_on_sigterm

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..sharding.entries import GlobalTensor
-from .errors import CheckpointFormatError, CheckpointMismatchError
-from .manifest import Manifest
-from .options import LoadOptions, LoadResult
-from .sections import (
+from ...sharding.entries import GlobalTensor
+from ..checks.strictness import KeyReport, check_keys
+from ..errors import CheckpointFormatError, CheckpointMismatchError
+from ..options import LoadOptions, LoadResult
+from ..state.sections import (
     MODEL,
     OPTIMIZER,
     PARAM_GROUPS,
@@ -29,7 +29,7 @@ from .sections import (
     model_section_names,
     restore_rng,
 )
-from .strictness import KeyReport, check_keys
+from .manifest import Manifest
 
 __all__ = ["rank_file", "save_rank_file", "load_legacy"]
 

@@ -4,7 +4,7 @@ itself are in :mod:`peftckpt.cli.inspect`).
 
 No process group and no torchrun: everything is read from disk, and nothing from the checkpoint is ever
 executed (JSON manifest; DCP's pickled ``.metadata`` only through
-:func:`~peftckpt.checkpoint.safe_pickle.load_dcp_metadata`; legacy rank files only with
+:func:`~peftckpt.checkpoint.storage.safe_pickle.load_dcp_metadata`; legacy rank files only with
 ``torch.load(weights_only=True, mmap=True)``, which reads the pickle but not the tensor data).
 
 Steps of :func:`inspect_path`:
@@ -13,7 +13,7 @@ Steps of :func:`inspect_path`:
     2. Save directory: list every ``iter_*``, staging and trash directory with a cheap state (manifest and
        file sizes, no hashing), and resolve the tracker to the checkpoint a load would pick.
     3. That checkpoint (or ``DIR`` itself) goes through :func:`inspect_checkpoint`, whose steps are listed
-       there: manifest, integrity (:func:`~peftckpt.checkpoint.verify.verify_checkpoint`), keys, sizes, state.
+       there: manifest, integrity (:func:`~peftckpt.checkpoint.tools.verify.verify_checkpoint`), keys, sizes, state.
 
 Commit states: ``committed`` (manifest valid, files intact: a load would accept it), ``uncommitted`` (a
 staging directory, or no manifest: a save stopped before its commit; never loadable) and ``corrupted``
@@ -37,20 +37,21 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from peftckpt.checkpoint.checksums import verify_files
+from peftckpt.checkpoint.checks.integrity import DCP_METADATA_FILENAME
 from peftckpt.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from peftckpt.checkpoint.formats import storage_format
-from peftckpt.checkpoint.integrity import DCP_METADATA_FILENAME
-from peftckpt.checkpoint.legacy import FILENAME as LEGACY_FILENAME
-from peftckpt.checkpoint.manifest import Manifest, read_manifest
-from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.sections import MODEL, OPTIMIZER
-from peftckpt.checkpoint.storage_layout import (
+from peftckpt.checkpoint.state.sections import MODEL, OPTIMIZER
+from peftckpt.checkpoint.state.trainable import TORCH, TORCH_DIST
+from peftckpt.checkpoint.storage.checksums import verify_files
+from peftckpt.checkpoint.storage.formats import storage_format
+from peftckpt.checkpoint.storage.legacy import FILENAME as LEGACY_FILENAME
+from peftckpt.checkpoint.storage.manifest import Manifest, read_manifest
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
+from peftckpt.checkpoint.storage.storage_layout import (
     LOCK_FILENAME,
     MANIFEST_FILENAME,
     STAGING_PREFIX,
@@ -61,8 +62,7 @@ from peftckpt.checkpoint.storage_layout import (
     read_tracker,
     resolve_checkpoint_dir,
 )
-from peftckpt.checkpoint.trainable import TORCH, TORCH_DIST
-from peftckpt.checkpoint.verify import verify_checkpoint
+from peftckpt.checkpoint.tools.verify import verify_checkpoint
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -83,7 +83,7 @@ __all__ = [
 SCHEMA_VERSION = 1
 """Version of the ``--json`` document; bumped on any incompatible change of ``inspect_schema.json``."""
 
-SCHEMA_PATH = resources.files("peftckpt.checkpoint").joinpath("inspect_schema.json")
+SCHEMA_PATH = resources.files("peftckpt.checkpoint.tools").joinpath("inspect_schema.json")
 """The JSON Schema of the ``--json`` document (package data)."""
 
 COMMITTED = "committed"
@@ -492,7 +492,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, verify_checksums: bool =
     Steps:
         1. Commit state from the name and the manifest: a staging directory or a missing manifest is
            uncommitted; an unreadable or invalid manifest is corrupted.
-        2. Integrity of a committed candidate: :func:`~peftckpt.checkpoint.verify.verify_checkpoint`
+        2. Integrity of a committed candidate: :func:`~peftckpt.checkpoint.tools.verify.verify_checkpoint`
            (every file re-read and hashed, as a load does); with ``verify_checksums=False`` only the
            presence and size of every recorded file.
         3. Keys: DCP ``.metadata`` through the restricted unpickler (``torch_dist``) or the rank files

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ..sharding.entries import GlobalTensor
+from ...sharding.entries import GlobalTensor
 
 __all__ = ["FINGERPRINT_VERSION", "Fingerprinting", "base_fingerprint", "fingerprint_version"]
 

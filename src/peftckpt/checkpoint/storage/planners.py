@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..sharding.entries import GlobalTensor, LazyGlobalTensor
+from ...sharding.entries import GlobalTensor, LazyGlobalTensor
 
 __all__ = ["EntrySavePlanner", "EntryLoadPlanner"]
 

@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, UnsafeCheckpointError, weights_only_reason
-from peftckpt.checkpoint.paths import read_regular_file
-from peftckpt.checkpoint.readahead import ReadAhead
+from peftckpt.checkpoint.storage.paths import read_regular_file
+from peftckpt.checkpoint.storage.readahead import ReadAhead
 
 __all__ = ["ALLOWED_GLOBALS", "RestrictedUnpickler", "load_dcp_metadata", "SafeFileSystemReader"]
 
@@ -219,7 +219,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Base ``read_data`` with bytes items checked by ``torch.load(weights_only=True)``, and the byte
-        ranges it reads fetched ahead of it (:class:`~peftckpt.checkpoint.readahead.ReadAhead`)."""
+        ranges it reads fetched ahead of it (:class:`~peftckpt.checkpoint.storage.readahead.ReadAhead`)."""
         # The base class reads file by file (in order of first appearance in the plan), items in plan order.
         per_file: dict[str, list[tuple[int, int]]] = {}
         for item in plan.items:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sharding.entries import GlobalTensor
-from .errors import CheckpointError
-from .manifest import TORCH, TORCH_DIST
+from ...sharding.entries import GlobalTensor
+from ..errors import CheckpointError
+from ..storage.manifest import TORCH, TORCH_DIST
 
 __all__ = ["TORCH_DIST", "TORCH", "EXTRA_STATE_SUFFIX", "filter_trainable", "check_format_for_trainable_only"]
 

@@ -1,5 +1,5 @@
 """Checkpoint storage formats behind one small protocol: ``torch_dist`` (DCP: reshardable, the default) and the
-legacy ``torch`` format (one file per model-parallel rank, :mod:`~peftckpt.checkpoint.legacy`).
+legacy ``torch`` format (one file per model-parallel rank, :mod:`~peftckpt.checkpoint.storage.legacy`).
 
 A caller asks a format what it can do (:class:`StorageFormat`'s flags) and lets it do its part of a save (write
 this rank's files; name them; check the written whole), of a load (read into the request) and of the offline
@@ -23,19 +23,19 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from ..sharding.entries import LazyGlobalTensor
-from .async_save import host_copy
+from ...sharding.entries import LazyGlobalTensor
+from ..async_save import host_copy
+from ..checks.integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems, unwritten_pieces
+from ..errors import CheckpointError, CheckpointFormatError
+from ..faults import fault_point
 from .checksums import ChecksummingFileSystem
-from .errors import CheckpointError, CheckpointFormatError
-from .faults import fault_point
-from .integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems, unwritten_pieces
 from .legacy import rank_file, save_rank_file
 from .manifest import TORCH, TORCH_DIST, Manifest
 from .planners import EntrySavePlanner
 from .safe_pickle import load_dcp_metadata
 
 if TYPE_CHECKING:
-    from .commit import PendingCommit
+    from ..commit import PendingCommit
 
 __all__ = ["StorageFormat", "WriteJob", "TorchDistFormat", "LegacyTorchFormat", "FORMATS", "storage_format", "no_zip_crc32"]
 

@@ -6,7 +6,7 @@ Steps of :func:`verify_checkpoint`:
     2. Read and validate the JSON manifest.
     3. Check every file against the manifest's sizes and checksums, and look for unlisted files.
     4. For ``torch_dist``: load DCP's ``.metadata`` through the restricted unpickler and check that the
-       checkpoint is whole (:func:`~peftckpt.checkpoint.integrity.storage_problems`): every storage item in a
+       checkpoint is whole (:func:`~peftckpt.checkpoint.checks.integrity.storage_problems`): every storage item in a
        listed regular file and inside it, every tensor covered exactly once, every recorded key stored with
        its recorded shape and dtype.
 """
@@ -17,12 +17,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peftckpt.checkpoint.checksums import verify_files
+from peftckpt.checkpoint.checks.integrity import DCP_METADATA_FILENAME
 from peftckpt.checkpoint.errors import UnsafeCheckpointError
-from peftckpt.checkpoint.formats import storage_format
-from peftckpt.checkpoint.integrity import DCP_METADATA_FILENAME
-from peftckpt.checkpoint.manifest import read_manifest
-from peftckpt.checkpoint.storage_layout import resolve_checkpoint_dir
+from peftckpt.checkpoint.storage.checksums import verify_files
+from peftckpt.checkpoint.storage.formats import storage_format
+from peftckpt.checkpoint.storage.manifest import read_manifest
+from peftckpt.checkpoint.storage.storage_layout import resolve_checkpoint_dir
 
 __all__ = ["DCP_METADATA_FILENAME", "VerifyReport", "verify_checkpoint"]
 

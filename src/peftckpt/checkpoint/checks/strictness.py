@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .errors import StrictnessError
+from ..errors import StrictnessError
 
 __all__ = ["StrictHandling", "KeyReport", "check_keys", "STRICTNESS_FLAG"]
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..sharding.entries import GlobalTensor
-from .errors import CheckpointIntegrityError, CheckpointMismatchError
-from .manifest import Manifest
+from ...sharding.entries import GlobalTensor
+from ..errors import CheckpointIntegrityError, CheckpointMismatchError
+from ..storage.manifest import Manifest
 
 __all__ = ["adapter_mismatch", "architecture_mismatch", "base_mismatch", "damaged", "shape_mismatch"]
 

@@ -1,8 +1,8 @@
 """The JSON manifest of a checkpoint (never pickle).
 
-The manifest is ``<ckpt>/metadata.json``; :mod:`peftckpt.checkpoint.storage_layout` writes it last, so
+The manifest is ``<ckpt>/metadata.json``; :mod:`peftckpt.checkpoint.storage.storage_layout` writes it last, so
 its presence means "committed". It records what was saved and how plus the size and
-checksum of every other file of the checkpoint (:mod:`peftckpt.checkpoint.checksums` computes and checks
+checksum of every other file of the checkpoint (:mod:`peftckpt.checkpoint.storage.checksums` computes and checks
 them), and a SHA-256 of itself.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import peftckpt
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
-from peftckpt.checkpoint.paths import read_regular_file, relpath_problem
-from peftckpt.checkpoint.storage_layout import MANIFEST_FILENAME
+from peftckpt.checkpoint.storage.paths import read_regular_file, relpath_problem
+from peftckpt.checkpoint.storage.storage_layout import MANIFEST_FILENAME
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -36,7 +36,7 @@ FORMAT_VERSION = 1
 """Newest manifest format version this library writes and reads."""
 
 CHECKSUM_ALGORITHM = "xxh3_128"
-"""Checksum recorded in new manifests (see :mod:`~peftckpt.checkpoint.checksums` for why)."""
+"""Checksum recorded in new manifests (see :mod:`~peftckpt.checkpoint.storage.checksums` for why)."""
 
 MANIFEST_MAX_BYTES = 256 << 20
 """Largest manifest read (one of a 70B model with every key recorded is a few MB)."""

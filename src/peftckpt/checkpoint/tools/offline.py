@@ -18,16 +18,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..sharding.entries import GlobalTensor, LazyGlobalTensor
-from .checksums import verify_files
-from .errors import CheckpointFormatError, CheckpointIntegrityError, as_read_error, unwrap_dcp_error
-from .fingerprint import FINGERPRINT_VERSION, base_fingerprint
-from .integrity import dcp_problems
-from .manifest import Manifest, read_manifest
-from .safe_pickle import SafeFileSystemReader
-from .sections import MODEL
-from .storage_layout import resolve_checkpoint_dir
-from .trainable import TORCH_DIST
+from ...sharding.entries import GlobalTensor, LazyGlobalTensor
+from ..checks.integrity import dcp_problems
+from ..errors import CheckpointFormatError, CheckpointIntegrityError, as_read_error, unwrap_dcp_error
+from ..state.fingerprint import FINGERPRINT_VERSION, base_fingerprint
+from ..state.sections import MODEL
+from ..state.trainable import TORCH_DIST
+from ..storage.checksums import verify_files
+from ..storage.manifest import Manifest, read_manifest
+from ..storage.safe_pickle import SafeFileSystemReader
+from ..storage.storage_layout import resolve_checkpoint_dir
 
 __all__ = ["OfflineCheckpoint", "TensorSource", "open_checkpoint", "lazy_entries", "lazy_fingerprint"]
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..sharding.entries import GlobalTensor, global_tensor_of
-from ..sharding.layout import FusedChunks, fused_layouts
-from .errors import CheckpointError
+from ...sharding.entries import GlobalTensor, global_tensor_of
+from ...sharding.layout import FusedChunks, fused_layouts
+from ..errors import CheckpointError
 
 __all__ = [
     "MODEL", "OPTIMIZER", "OPT_PARAM_SCHEDULER", "RNG_STATE", "ITERATION", "DATA", "ARGS", "CHECKPOINT_VERSION",

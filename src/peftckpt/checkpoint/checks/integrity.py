@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from peftckpt.checkpoint.errors import CheckpointError, UnsafeCheckpointError
-from peftckpt.checkpoint.manifest import Manifest
-from peftckpt.checkpoint.paths import recorded_file_problem, relpath_problem
-from peftckpt.checkpoint.safe_pickle import load_dcp_metadata
+from peftckpt.checkpoint.storage.manifest import Manifest
+from peftckpt.checkpoint.storage.paths import recorded_file_problem, relpath_problem
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 
 __all__ = ["DCP_METADATA_FILENAME", "dcp_problems", "storage_problems", "coverage_problem", "key_record_problems",
            "unwritten_pieces", "plan_problems"]

@@ -8,7 +8,7 @@ Layout::
     <save>/.staging.iter_0000100.<token>/      a save in progress (hidden, never matches ``iter_*``)
     <save>/.trash.replace.iter_0000100.<token> the previous copy of an iteration being re-saved
     <save>/.trash.retire.iter_0000090.<token>  a checkpoint being deleted by retention
-    <save>/.peftckpt.lock                      the run lock (see :mod:`peftckpt.checkpoint.save_lock`)
+    <save>/.peftckpt.lock                      the run lock (see :mod:`peftckpt.checkpoint.storage.save_lock`)
 
 Everything here is single-process filesystem work; the orchestration calls it from the one rank that
 commits. Nothing here touches ``torch.distributed``.
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError
-from peftckpt.checkpoint.paths import read_regular_file
+from peftckpt.checkpoint.storage.paths import read_regular_file
 
 __all__ = [
     "TRACKER_FILENAME",

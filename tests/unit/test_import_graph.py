@@ -1,0 +1,90 @@
+"""The package's modules import each other without cycles (module-level imports; those under
+``TYPE_CHECKING`` or inside functions run later and are left out), so any module can be imported first."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            found += [n for n in node.body + node.orelse if isinstance(n, ast.Import | ast.ImportFrom)]
+        elif isinstance(node, ast.Try):
+            found += [n for n in node.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the peftckpt modules it imports when it is imported}`` (parents packages included)."""
+    files = {_module_name(p): p for p in (SRC / "peftckpt").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if _is_package(path) else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in _top_level_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                bases = [a.name for a in node.names]
+                subs: list[str] = []
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                bases = [base]
+                subs = [f"{base}.{a.name}" for a in node.names]
+            for target in bases + subs:
+                if target in files:
+                    parts = target.split(".")
+                    targets |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & set(files)
+        graph[name] = targets - {name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert "peftckpt.checkpoint.api" in graph and "peftckpt.checkpoint.storage.formats" in graph["peftckpt.checkpoint.api"]
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_check_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
