@@ -53,7 +53,7 @@ class WriteJob:
     chunks: Sequence[nn.Module]
     optimizer: torch.optim.Optimizer | None
     host_buffers: dict[str, Any] = field(default_factory=dict)
-    """Reused pinned/host buffers of async saves (updated by the write)."""
+    """The host buffers of the last async save, reused by the next one (updated by the write)."""
     async_group: Callable[[], dist.ProcessGroup | None] | None = None
     """The background save's own process group (created on first use)."""
 
