@@ -170,9 +170,10 @@ class TrainerCheckpointing:
         """After the ranks agreed to stop on a signal: save first if the signal asks for it (and this iteration
         is not saved yet), let a save in flight commit, and say where the run can resume from."""
         a, t = self.args, self.trainer
-        if stop.save and self.last_saved != t.iteration:
-            self.save()
-        self.ckpt.wait()
+        if stop.save:
+            self.finish()  # --exit-signal-handler requires --save
+        else:
+            self.ckpt.wait()
         said = f"{'stopped by' if stop.save else 'interrupted by'} {stop.name} at iteration {t.iteration}"
         if not a.save:
             return f"{said}; nothing was saved (no --save)"

@@ -66,6 +66,8 @@ class StopSignals:
         self.save_on_sigterm = save_on_sigterm
         self.distributed = distributed
         self.received: int | None = None
+        self.stop: Stop | None = None
+        """The stop the ranks agreed on, once they have."""
         self.active = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -98,14 +100,17 @@ class StopSignals:
         return (2 if save else 1) * 64 + self.received
 
     def agreed(self) -> Stop | None:
-        """Whether any rank was signalled, the same answer on every rank (collective when distributed)."""
+        """Whether any rank was signalled, the same answer on every rank (collective when distributed, until a
+        stop is agreed: that answer is final, so later calls return it without asking again)."""
         if not self.active:
             return None
+        if self.stop is not None:
+            return self.stop
         code = self._code()
         if self.distributed:
             value = torch.tensor([code], dtype=torch.int64)
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
             code = int(value.item())
-        if code == 0:
-            return None
-        return Stop(signum=code % 64, save=code // 64 == 2)
+        if code != 0:
+            self.stop = Stop(signum=code % 64, save=code // 64 == 2)
+        return self.stop
