@@ -130,7 +130,7 @@ def test_a_trainable_only_checkpoint_without_buffers_still_loads(tmp_path: Path,
                                                                  ) -> None:
     """Trainable-only saves of earlier releases left buffers out and listed them as excluded: such a
     checkpoint loads, and the buffers keep their values."""
-    def old_filter(section: dict[str, Any], ckpt_format: str) -> tuple[dict[str, Any], dict[str, GlobalTensor]]:
+    def old_filter(section: dict[str, Any]) -> tuple[dict[str, Any], dict[str, GlobalTensor]]:
         kept = {k: v for k, v in section.items() if isinstance(v, GlobalTensor) and v.requires_grad}
         return kept, {k: v for k, v in section.items() if isinstance(v, GlobalTensor) and not v.requires_grad}
 
@@ -158,12 +158,41 @@ def test_states_are_checked(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFormatError, match="states .* need ckpt_format 'torch_dist'"):
         Checkpointer(model, opt, states={"lr_scheduler": sched}).save(tmp_path / "legacy", 1,
                                                                       options=SaveOptions(ckpt_format="torch"))
+    with pytest.raises(ValueError, match=r"LoadOptions.strictness: unknown mode 'strict' \(known: assume_ok_unexpected, "):
+        LoadOptions(strictness="strict")
     with pytest.raises(ValueError, match="layout and coords go together"):
         Checkpointer(model, opt, layout={"tp": 1, "pp": 1, "dp": 1, "vpp": 1})
     with pytest.raises(CheckpointFormatError, match=r"SaveOptions.ckpt_format: unknown checkpoint format 'zarr' "
                        r"\(known: torch_dist, torch\)"):
         Checkpointer(model, opt).save(tmp_path / "zarr", 1, options=SaveOptions(ckpt_format="zarr"))
     assert not (tmp_path / "zarr").exists()  # refused before anything was written
+
+
+def test_the_legacy_format_loads_through_the_same_steps(tmp_path: Path) -> None:
+    """A legacy ``torch`` checkpoint goes through the load's one path (the format opens it): weights, Adam
+    moments and groups come back, the strictness modes that look at missing keys work on its per-rank keys,
+    and a key the file lacks is named like a DCP checkpoint's."""
+    model, opt, sched = _setup(0)
+    _train(model, opt, sched, 2, seed=1)
+    Checkpointer(model, opt).save(tmp_path, 2, {"sched": sched.state_dict()}, SaveOptions(ckpt_format="torch"))
+    lr = opt.param_groups[0]["lr"]
+    expected = _train(model, opt, sched, 2, seed=2)
+    for strictness in ("raise_all", "log_all", "assume_ok_unexpected"):
+        resumed, ropt, rsched = _setup(5)
+        result = Checkpointer(resumed, ropt).load(tmp_path, LoadOptions(strictness=strictness, objects=["sched"]))
+        assert result.report.unexpected == [] and ropt.param_groups[0]["lr"] == lr
+        assert ropt.state[ropt.param_groups[0]["params"][0]]["step"].item() == 2
+        rsched.load_state_dict(result.objects["sched"])
+        assert _train(resumed, ropt, rsched, 2, seed=2) == expected
+
+    class Wider(Adapted):
+        def __init__(self, seed: int) -> None:
+            super().__init__(seed)
+            self.extra = nn.Linear(2, 2)
+
+    wider = Wider(0)
+    with pytest.raises(CheckpointError, match=r"2 key\(s\) requested but absent from checkpoint .*\n  model.extra.bias\n  model.extra.weight\n"):
+        Checkpointer(wider, torch.optim.AdamW(wider.parameters())).load(tmp_path, LoadOptions(load_optim=False))
 
 
 def test_async_save_returns_a_handle_whose_result_is_the_committed_path(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from peftckpt.checkpoint.checks.strictness import KeyReport, StrictHandling
 from peftckpt.checkpoint.errors import CheckpointError, CheckpointMismatchError, StrictnessError
 from peftckpt.checkpoint.state.fingerprint import base_fingerprint
 from peftckpt.checkpoint.state.sections import model_entries
-from peftckpt.checkpoint.state.trainable import check_format_for_trainable_only, filter_trainable
+from peftckpt.checkpoint.state.trainable import filter_trainable
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 from peftckpt.sharding.entries import GlobalTensor, Piece, global_tensor_of
 
@@ -47,7 +47,7 @@ def test_keeps_trainable_and_buffers_and_returns_frozen_as_excluded() -> None:
     trainable = global_tensor_of(nn.Parameter(torch.zeros(3, 2)))
     buffer = global_tensor_of(torch.ones(2))  # e.g. BatchNorm running statistics: training changes it
     assert (frozen.frozen, trainable.frozen, buffer.frozen) == (True, False, False)
-    kept, excluded = filter_trainable({"w": frozen, "lora_A": trainable, "running_mean": buffer}, "torch_dist")
+    kept, excluded = filter_trainable({"w": frozen, "lora_A": trainable, "running_mean": buffer})
     assert kept == {"lora_A": trainable, "running_mean": buffer}
     assert excluded == {"w": frozen}
     assert kept["lora_A"] is trainable  # the same entry: its pieces still view the live tensor
@@ -56,7 +56,7 @@ def test_keeps_trainable_and_buffers_and_returns_frozen_as_excluded() -> None:
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_fused_entry_goes_as_a_whole(requires_grad: bool) -> None:
     fused = _fused(requires_grad)
-    kept, excluded = filter_trainable({"mlp.linear_fc1.weight": fused}, "torch_dist")
+    kept, excluded = filter_trainable({"mlp.linear_fc1.weight": fused})
     where, other = (kept, excluded) if requires_grad else (excluded, kept)
     assert other == {}
     assert list(where) == ["mlp.linear_fc1.weight"]
@@ -76,7 +76,7 @@ def test_extra_state_is_always_dropped(extra: Any) -> None:
     weight = global_tensor_of(nn.Parameter(torch.ones(4, 4)))
     frozen = _frozen(4)
     section = {"linear_qkv.weight": weight, "linear_qkv._extra_state": extra, "linear_qkv.bias": frozen}
-    kept, excluded = filter_trainable(section, "torch_dist")
+    kept, excluded = filter_trainable(section)
     assert kept == {"linear_qkv.weight": weight}
     assert excluded == {"linear_qkv.bias": frozen}  # extra state is neither kept nor recorded as frozen
 
@@ -84,7 +84,7 @@ def test_extra_state_is_always_dropped(extra: Any) -> None:
 def test_non_tensor_values_are_dropped() -> None:
     weight = global_tensor_of(nn.Parameter(torch.ones(2)))
     section = {"a": 3, "b": "text", "c": [1, 2], "d": {"nested": weight}, "w": weight}
-    kept, excluded = filter_trainable(section, "torch_dist")
+    kept, excluded = filter_trainable(section)
     assert kept == {"w": weight}
     assert excluded == {}
 
@@ -97,7 +97,7 @@ def test_every_model_section_is_filtered_on_its_own() -> None:
                    "layers.1.lora": global_tensor_of(nn.Parameter(torch.ones(3))),
                    "layers.1._extra_state": b"x"},
     }
-    result = {name: filter_trainable(sec, "torch_dist") for name, sec in sections.items()}
+    result = {name: filter_trainable(sec) for name, sec in sections.items()}
     assert {n: (sorted(k), sorted(x)) for n, (k, x) in result.items()} == {
         "model0": (["layers.0.lora"], ["layers.0.w"]),
         "model1": (["layers.1.lora"], ["layers.1.w"]),
@@ -105,18 +105,7 @@ def test_every_model_section_is_filtered_on_its_own() -> None:
 
 
 def test_empty_section() -> None:
-    assert filter_trainable({}, "torch_dist") == ({}, {})
-
-
-@pytest.mark.parametrize("fmt", ["torch", "safetensors", "Torch_Dist", ""])
-def test_any_format_but_torch_dist_is_refused(fmt: str) -> None:
-    section = {"w": global_tensor_of(nn.Parameter(torch.ones(2)))}
-    for call in (lambda: filter_trainable(section, fmt), lambda: filter_trainable({}, fmt),
-                 lambda: check_format_for_trainable_only(fmt)):
-        with pytest.raises(CheckpointError) as info:
-            call()
-        assert str(info.value) == REFUSAL.format(fmt=fmt)
-    check_format_for_trainable_only("torch_dist")  # accepted
+    assert filter_trainable({}) == ({}, {})
 
 
 # ----------------------------------------------------------------------------------- real modules and saves
@@ -243,6 +232,15 @@ def test_torch_format_is_refused_before_anything_is_written(tmp_path: Path) -> N
                                               SaveOptions(ckpt_format="torch", trainable_only=True))
     assert str(info.value) == REFUSAL.format(fmt="torch")
     assert not (tmp_path / "s").exists() or list((tmp_path / "s").iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "Torch_Dist", ""])
+def test_an_unknown_format_is_refused_before_anything_is_written(tmp_path: Path, fmt: str) -> None:
+    block, opt = _trained()
+    with pytest.raises(CheckpointError) as info:
+        Checkpointer([block], opt, **KW).save(tmp_path / "s", 1, None, SaveOptions(ckpt_format=fmt, trainable_only=True))
+    assert str(info.value) == f"SaveOptions.ckpt_format: unknown checkpoint format {fmt!r} (known: torch_dist, torch)"
+    assert not (tmp_path / "s").exists()
 
 
 def test_two_model_chunks_are_both_filtered(tmp_path: Path) -> None:

@@ -21,9 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..sharding.entries import GlobalTensor
@@ -71,18 +69,15 @@ from .state.sections import (
     state_key,
     tensor_records,
 )
-from .state.trainable import TORCH, TORCH_DIST, filter_trainable
+from .state.trainable import TORCH_DIST, filter_trainable
 from .storage.checksums import (
     files_share,
     is_data_file,
     verify_checksums,
     verify_files,
 )
-from .storage.formats import StorageFormat, WriteJob, storage_format
-from .storage.legacy import load_legacy
+from .storage.formats import StorageFormat, StoredCheckpoint, WriteJob, storage_format
 from .storage.manifest import Manifest, read_manifest
-from .storage.planners import EntryLoadPlanner
-from .storage.safe_pickle import SafeFileSystemReader
 from .storage.save_lock import SaveDirLock, acquire_save_lock
 from .storage.storage_layout import (
     clean_stale_staging,
@@ -191,14 +186,14 @@ class Checkpointer:
             self._fingerprints[version] = value
         return value
 
-    def _state(self, trainable_only: bool, ckpt_format: str, with_optim: bool,
+    def _state(self, trainable_only: bool, with_optim: bool,
                objects: Mapping[str, Any], with_rng: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """The flat ``{storage key: entry}`` of this rank, plus records of kept and excluded model tensors."""
         flat: dict[str, Any] = {}
         excluded: dict[str, Any] = {}
         for section, entries in self.model_sections().items():
             if trainable_only:
-                entries, frozen = filter_trainable(entries, ckpt_format)
+                entries, frozen = filter_trainable(entries)
                 excluded.update(tensor_records({dcp_key(section, k): v for k, v in frozen.items()}))
             for k, v in entries.items():
                 flat[dcp_key(section, k)] = v
@@ -273,12 +268,16 @@ class Checkpointer:
         if self.states and not fmt.holds_states:
             raise CheckpointFormatError(f"the checkpointer's states ({', '.join(self.states)}) need "
                                         f"ckpt_format {TORCH_DIST!r}, not {options.ckpt_format!r}")
+        if options.trainable_only and not fmt.holds_trainable_only:  # the effective format may change after parsing
+            raise CheckpointFormatError(
+                f"--save-trainable-params-only needs --ckpt-format torch_dist, but this save would use "
+                f"{fmt.name!r} (legacy torch checkpoints lose requires_grad, so every tensor would be "
+                "dropped); nothing was written")
         object_names = list(objects) + [f"{STATES}.{name}" for name in self.states]
         objects = {**objects, **{state_key(name, self.rank): obj.state_dict() for name, obj in self.states.items()}}
         error: BaseException | None = None
         try:
-            flat, kept, excluded = self._state(options.trainable_only, options.ckpt_format,
-                                               options.save_optim, objects, options.save_rng)
+            flat, kept, excluded = self._state(options.trainable_only, options.save_optim, objects, options.save_rng)
             fingerprint = self.fingerprint() if options.trainable_only else None
         except CheckpointError as e:
             error = e
@@ -448,7 +447,7 @@ class Checkpointer:
         flat: dict[str, Any] = {}
         for section, entries in self.model_sections().items():
             if trainable_only:
-                entries, _ = filter_trainable(entries, TORCH_DIST)
+                entries, _ = filter_trainable(entries)
             for k, v in entries.items():
                 if isinstance(v, GlobalTensor):
                     flat[dcp_key(section, k)] = v
@@ -468,9 +467,10 @@ class Checkpointer:
             2. Check that the checkpoint fits this model: architecture, adapter configuration and, for a
                trainable-only checkpoint, the base fingerprint.
             3. Build the request -- filtered like the save for a trainable-only checkpoint.
-            4. Read it: the legacy per-rank files at the same layout, or DCP (resharding) after the stored
-               shapes and the strictness mode are checked against the request; finish the checksums; apply
-               extra state, optimizer groups, the checkpointer's states (in place) and the RNG state.
+            4. Open it in its format (DCP reshards; a legacy file loads only at the layout it was saved at),
+               check the stored shapes and the strictness mode against the request, read it, finish the
+               checksums; apply extra state, optimizer groups, the checkpointer's states (in place) and the
+               RNG state.
         """
         options = options or LoadOptions()
         self.wait()  # an async save in flight is committed first: it may be the checkpoint asked for
@@ -478,7 +478,7 @@ class Checkpointer:
         ckpt, iteration, manifest, verification = self._resolve(path, options)
         fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
         if self.states and not model_only and not fmt.holds_states:
-            raise CheckpointFormatError(f"checkpoint {ckpt} is in the legacy {TORCH!r} format, which holds no "
+            raise CheckpointFormatError(f"checkpoint {ckpt} is in the {fmt.name!r} format, which holds no "
                                         f"states ({', '.join(self.states)})")
         # 2.
         self._check_fits(ckpt, manifest, options, model_only)
@@ -490,17 +490,13 @@ class Checkpointer:
         if not manifest.trainable_only:
             self._fingerprints.clear()  # a full checkpoint replaces the base too
         # 4.
-        if not fmt.reshards:  # one file per model-parallel rank, read as a whole at the layout it was saved at
-            return load_legacy(self.chunks, self.optimizer, self.layout, self.coords, self.rank, ckpt, iteration,
-                               manifest, request, options, object_keys, same_layout)
-        reader = SafeFileSystemReader(ckpt)
-        metadata = reader.read_metadata()
-        self.comm.agree(shape_mismatch(request, metadata, ckpt))
-        report = self._check_keys(ckpt, manifest, metadata, request, options, with_optim)
-        wanted = self._objects_to_read(manifest, metadata, object_keys, options, model_only, with_optim,
+        stored = self._open(fmt, ckpt, manifest)
+        self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
+        report = self._check_keys(ckpt, manifest, stored, request, options, with_optim)
+        wanted = self._objects_to_read(manifest, stored.object_keys, object_keys, options, model_only, with_optim,
                                        same_layout, ckpt)
         request.update(dict.fromkeys(wanted.keys))
-        self._read(request, reader, verification)
+        self._read(request, stored, verification)
         objects = {k: request[k] for k in wanted.keys}
         self._apply_objects(ckpt, objects, wanted, options, with_optim)
         if options.load_rng and not model_only and not same_layout and self.rank == 0:
@@ -537,16 +533,29 @@ class Checkpointer:
                     request.pop(k)
         return request, with_optim
 
-    def _check_keys(self, ckpt: Path, manifest: Manifest, metadata: Any, request: dict[str, Any],
+    def _open(self, fmt: StorageFormat, ckpt: Path, manifest: Manifest) -> StoredCheckpoint:
+        """Open the checkpoint in its format for this rank (collective: a refusal is every rank's)."""
+        stored: StoredCheckpoint | None = None
+        error: BaseException | None = None
+        try:
+            stored = fmt.open(ckpt, manifest, self.layout, self.coords, self.comm.group)
+        except BaseException as e:  # noqa: BLE001 - refused, or a file unreadable since it was verified
+            error = as_read_error(e, ckpt)
+        self.comm.agree(error)
+        assert stored is not None
+        return stored
+
+    def _check_keys(self, ckpt: Path, manifest: Manifest, stored: StoredCheckpoint, request: dict[str, Any],
                     options: LoadOptions, with_optim: bool) -> KeyReport:
         """The strictness mode against the stored keys (collective); unexpected keys leave the request."""
-        saved = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+        saved = set(stored.tensor_shapes)
         hints = {k: ("trainable now but frozen when the checkpoint was saved, so it is not in it: its value must "
                      "come from --pretrained-checkpoint; --dist-ckpt-strictness log_unexpected keeps that value")
                  for k in manifest.excluded_keys}
         all_requested = None
         if options.strictness.needs_missing:
-            all_requested = {k for keys in self.comm.gather(sorted(request)) for k in keys}
+            all_requested = set(request) if stored.per_rank else {
+                k for keys in self.comm.gather(sorted(request)) for k in keys}
             saved = {k for k in saved if k.startswith((MODEL + ".", OPTIMIZER + ".")) and
                      (with_optim or not k.startswith(OPTIMIZER + "."))}
         error: BaseException | None = None
@@ -561,10 +570,10 @@ class Checkpointer:
             request.pop(k, None)
         return report
 
-    def _objects_to_read(self, manifest: Manifest, metadata: Any, object_keys: Sequence[str], options: LoadOptions,
-                         model_only: bool, with_optim: bool, same_layout: bool, ckpt: Path) -> _WantedObjects:
-        """The stored objects a DCP load reads besides tensors, and what each is for."""
-        bytes_keys = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+    def _objects_to_read(self, manifest: Manifest, bytes_keys: set[str], object_keys: Sequence[str],
+                         options: LoadOptions, model_only: bool, with_optim: bool, same_layout: bool, ckpt: Path
+                         ) -> _WantedObjects:
+        """The stored objects (``bytes_keys``) a load reads besides tensors, and what each is for."""
         wanted = _WantedObjects(keys=[k for k in object_keys if k in bytes_keys])
         if with_optim:
             wanted.groups = sorted(k for k in bytes_keys if k.startswith(f"{OPTIMIZER}.{PARAM_GROUPS}."))
@@ -627,15 +636,14 @@ class Checkpointer:
                           "of the checkpointer's states restore rank 0's", stacklevel=3)
         return keys
 
-    def _read(self, request: dict[str, Any], reader: SafeFileSystemReader, verification: _Verify,
+    def _read(self, request: dict[str, Any], stored: StoredCheckpoint, verification: _Verify,
               fingerprinting: Fingerprinting | None = None) -> None:
-        """``dcp.load`` the request in place, then finish the checksums started by :meth:`_resolve`; a
+        """Read the request in place, then finish the checksums started by :meth:`_resolve`; a
         failure on any rank is raised on every rank (a damaged file first: it explains a failed read).
         ``fingerprinting`` is handed each piece as soon as it is read."""
         error: BaseException | None = None
         try:
-            dcp.load(request, storage_reader=reader, process_group=self.comm.group,
-                     planner=EntryLoadPlanner(None if fingerprinting is None else fingerprinting.add))
+            stored.read(request, None if fingerprinting is None else fingerprinting.add)
         except BaseException as e:  # noqa: BLE001 - reported collectively
             error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
         if verification.future is not None:
@@ -714,13 +722,13 @@ class Checkpointer:
                 f"--pretrained-checkpoint {ckpt} is an adapter-only checkpoint (saved with "
                 "--save-trainable-params-only); it holds no base weights. Pass it as --load instead")
         self.comm.agree(architecture_mismatch(self.model_config, manifest, ckpt))
-        if not storage_format(manifest.format, f"--pretrained-checkpoint {ckpt}").reshards:
+        fmt = storage_format(manifest.format, f"--pretrained-checkpoint {ckpt}")
+        if not fmt.reshards:
             raise CheckpointFormatError(f"--pretrained-checkpoint {ckpt} must be torch_dist, got {manifest.format!r}")
-        reader = SafeFileSystemReader(ckpt)
-        metadata = reader.read_metadata()
+        stored = self._open(fmt, ckpt, manifest)
         request = self._request(False, False)
-        self.comm.agree(shape_mismatch(request, metadata, ckpt))
-        absent = [k for k in request if k not in metadata.state_dict_metadata]
+        self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
+        absent = [k for k in request if k not in stored.tensor_shapes]
         frozen_absent = [k for k in absent if not request[k].requires_grad]
         error: BaseException | None = None
         if frozen_absent:
@@ -732,5 +740,5 @@ class Checkpointer:
         for k in absent:
             request.pop(k)
         with self._fingerprinting_base(request) as fingerprinting:
-            self._read(request, reader, verification, fingerprinting)
+            self._read(request, stored, verification, fingerprinting)
         return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))

@@ -42,6 +42,14 @@ class LoadOptions:
     objects: Sequence[str] = ()
     """Names of object sections to read back (iteration, opt_param_scheduler, ...)."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.strictness, StrictHandling):  # a mode's name is accepted too
+            try:
+                self.strictness = StrictHandling(self.strictness)
+            except ValueError:
+                raise ValueError(f"LoadOptions.strictness: unknown mode {self.strictness!r} (known: "
+                                 f"{', '.join(m.value for m in StrictHandling)})") from None
+
 
 @dataclass
 class LoadResult:

@@ -3,11 +3,9 @@ caller can agree on it across ranks before anything is read."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...sharding.entries import GlobalTensor
 from ..errors import CheckpointIntegrityError, CheckpointMismatchError
@@ -76,12 +74,13 @@ def base_mismatch(manifest: Manifest, mine: str, ckpt: Path) -> CheckpointMismat
         "load the matching --pretrained-checkpoint, or pass --no-verify-base to override")
 
 
-def shape_mismatch(request: Mapping[str, Any], metadata: Any, ckpt: Path) -> CheckpointMismatchError | None:
-    """The requested tensors that ``ckpt`` stores with another global shape, as one error (or ``None``)."""
-    stored = metadata.state_dict_metadata
-    diffs = [f"  {k}: checkpoint {list(stored[k].size)}, model {list(v.global_shape)}"
+def shape_mismatch(request: Mapping[str, Any], stored: Mapping[str, Sequence[int] | None], ckpt: Path
+                   ) -> CheckpointMismatchError | None:
+    """The requested tensors that ``ckpt`` stores (``{key: global shape, or None where unknown}``) with another
+    global shape, as one error (or ``None``)."""
+    diffs = [f"  {k}: checkpoint {list(shape)}, model {list(v.global_shape)}"
              for k, v in sorted(request.items()) if isinstance(v, GlobalTensor)
-             and isinstance(stored.get(k), TensorStorageMetadata) and list(stored[k].size) != list(v.global_shape)]
+             and (shape := stored.get(k)) is not None and list(shape) != list(v.global_shape)]
     if not diffs:
         return None
     return CheckpointMismatchError(

@@ -2,7 +2,8 @@
 legacy ``torch`` format (one file per model-parallel rank, :mod:`~peftckpt.checkpoint.storage.legacy`).
 
 A caller asks a format what it can do (:class:`StorageFormat`'s flags) and lets it do its part of a save (write
-this rank's files; name them; check the written whole), of a load (read into the request) and of the offline
+this rank's files; name them; check the written whole), of a load (open the checkpoint: which keys it stores,
+and the read into the request, :class:`StoredCheckpoint`) and of the offline
 checks (is the stored structure sound); nothing else branches on a format's name. :func:`storage_format` looks
 one up, refusing an unknown name with a message that says where it came from.
 """
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ...sharding.entries import LazyGlobalTensor
 from ..async_save import host_copy
@@ -29,15 +31,15 @@ from ..checks.integrity import DCP_METADATA_FILENAME, dcp_problems, storage_prob
 from ..errors import CheckpointError, CheckpointFormatError
 from ..faults import fault_point
 from .checksums import ChecksummingFileSystem
-from .legacy import rank_file, save_rank_file
+from .legacy import LegacyRankFile, rank_file, save_rank_file
 from .manifest import TORCH, TORCH_DIST, Manifest
-from .planners import EntrySavePlanner
-from .safe_pickle import load_dcp_metadata
+from .planners import EntryLoadPlanner, EntrySavePlanner
+from .safe_pickle import SafeFileSystemReader, load_dcp_metadata
 
 if TYPE_CHECKING:
     from ..commit import PendingCommit
 
-__all__ = ["StorageFormat", "WriteJob", "TorchDistFormat", "LegacyTorchFormat", "FORMATS", "storage_format", "no_zip_crc32"]
+__all__ = ["StorageFormat", "StoredCheckpoint", "WriteJob", "TorchDistFormat", "LegacyTorchFormat", "FORMATS", "storage_format", "no_zip_crc32"]
 
 
 @dataclass
@@ -58,6 +60,24 @@ class WriteJob:
     """The background save's own process group (created on first use)."""
 
 
+class StoredCheckpoint(Protocol):
+    """A committed checkpoint as one rank reads it: what it stores, and the read of a request."""
+
+    tensor_shapes: dict[str, list[int] | None]
+    """The stored tensors this rank can read, with their global shapes (``None``: the format stores local
+    shards and cannot say)."""
+    object_keys: set[str]
+    """The stored objects (optimizer groups, RNG state, states, the caller's objects) this rank can read."""
+    per_rank: bool
+    """The keys are this rank's own (a file per rank), not the whole checkpoint's."""
+
+    def read(self, request: dict[str, Any], on_piece: Callable[[str, tuple[int, ...], torch.Tensor], None] | None = None
+             ) -> None:
+        """Read the request in place: tensor entries into their pieces (``on_piece(key, offsets, tensor)`` is
+        called with each piece once read), object keys replaced by the stored objects."""
+        ...
+
+
 class StorageFormat(Protocol):
     """What the checkpointer, the commit and the offline tools ask of a format."""
 
@@ -68,6 +88,8 @@ class StorageFormat(Protocol):
     """Loads at any layout (and serves as a base for ``load_pretrained`` and the offline tools)."""
     hashes_while_reading: ClassVar[bool]
     """A load can hash its data files while it reads them (else they are verified first)."""
+    holds_trainable_only: ClassVar[bool]
+    """Can hold a trainable-only checkpoint (its tensors keep ``requires_grad``, which selects them)."""
 
     def write(self, job: WriteJob) -> threading.Event | None:
         """Write this rank's files into ``job.commit.staging``. An async write returns the event that lets its
@@ -82,6 +104,12 @@ class StorageFormat(Protocol):
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
                          held: Mapping[str, list[tuple[int, list[int], list[int]]]]) -> list[str]:
         """Why the written staging directory is not a whole checkpoint (rank 0, before the commit)."""
+        ...
+
+    def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
+             group: dist.ProcessGroup | None) -> StoredCheckpoint:
+        """Open the committed checkpoint ``root`` for a load by the rank at ``coords`` of ``layout`` (raises
+        ``CheckpointMismatchError`` where the format cannot load at that layout)."""
         ...
 
     def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
@@ -114,6 +142,7 @@ class TorchDistFormat:
     holds_states: ClassVar[bool] = True
     reshards: ClassVar[bool] = True
     hashes_while_reading: ClassVar[bool] = True
+    holds_trainable_only: ClassVar[bool] = True
 
     def write(self, job: WriteJob) -> threading.Event | None:
         c = job.commit
@@ -161,8 +190,30 @@ class TorchDistFormat:
         except CheckpointError as e:  # e.g. the staging directory was removed under the save
             return [str(e)]
 
+    def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
+             group: dist.ProcessGroup | None) -> StoredCheckpoint:
+        return _DcpCheckpoint(root, group)
+
     def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
         return dcp_problems(root, manifest)
+
+
+class _DcpCheckpoint:
+    """A DCP checkpoint opened for a (resharding) load: its metadata's keys, read with ``dcp.load``."""
+
+    per_rank = False
+
+    def __init__(self, root: Path, group: dist.ProcessGroup | None) -> None:
+        self._reader = SafeFileSystemReader(root)
+        self._group = group
+        stored = self._reader.read_metadata().state_dict_metadata
+        self.tensor_shapes: dict[str, list[int] | None] = {
+            k: list(md.size) for k, md in stored.items() if isinstance(md, TensorStorageMetadata)}
+        self.object_keys = {k for k, md in stored.items() if isinstance(md, BytesStorageMetadata)}
+
+    def read(self, request: dict[str, Any], on_piece: Callable[[str, tuple[int, ...], torch.Tensor], None] | None = None
+             ) -> None:
+        dcp.load(request, storage_reader=self._reader, process_group=self._group, planner=EntryLoadPlanner(on_piece))
 
 
 class LegacyTorchFormat:
@@ -173,6 +224,7 @@ class LegacyTorchFormat:
     holds_states: ClassVar[bool] = False
     reshards: ClassVar[bool] = False
     hashes_while_reading: ClassVar[bool] = False
+    holds_trainable_only: ClassVar[bool] = False  # saves detached tensors: requires_grad is lost
 
     def write(self, job: WriteJob) -> threading.Event | None:
         c = job.commit
@@ -188,6 +240,10 @@ class LegacyTorchFormat:
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
                          held: Mapping[str, list[tuple[int, list[int], list[int]]]]) -> list[str]:
         return []  # each file is one rank's whole state; the manifest's checksums cover them
+
+    def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
+             group: dist.ProcessGroup | None) -> StoredCheckpoint:
+        return LegacyRankFile(root, manifest, layout, coords)
 
     def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
         return []

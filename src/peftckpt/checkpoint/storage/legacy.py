@@ -8,7 +8,7 @@ Loading uses ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +17,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...sharding.entries import GlobalTensor
-from ..checks.strictness import KeyReport, check_keys
 from ..errors import CheckpointFormatError, CheckpointMismatchError
-from ..options import LoadOptions, LoadResult
-from ..state.sections import (
-    MODEL,
-    OPTIMIZER,
-    PARAM_GROUPS,
-    RNG_STATE,
-    apply_param_groups,
-    model_section_names,
-    restore_rng,
-)
+from ..state.sections import MODEL, dcp_key, model_section_names
 from .manifest import Manifest
 
-__all__ = ["rank_file", "save_rank_file", "load_legacy"]
+__all__ = ["rank_file", "save_rank_file", "LegacyRankFile"]
 
 FILENAME = "model_optim_rng.pt"
 
@@ -76,50 +66,46 @@ def save_rank_file(staging: Path, chunks: Sequence[nn.Module], optimizer: torch.
     return [path]
 
 
-def load_legacy(chunks: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None, layout: Mapping[str, int],
-                coords: Mapping[str, int], rank: int, root: Path, iteration: int, manifest: Manifest,
-                request: dict[str, Any], options: LoadOptions, object_keys: Sequence[str],
-                same_layout: bool) -> LoadResult:
-    """Load this rank's legacy file into the request's live tensors (``chunks``/``optimizer`` at ``layout``,
-    this rank at ``coords``)."""
-    saved = {k: manifest.layout.get(k, 1) for k in ("tp", "pp", "vpp")}
-    now = {k: layout.get(k, 1) for k in ("tp", "pp", "vpp")}
-    if saved != now:
-        raise CheckpointMismatchError(
-            f"legacy --ckpt-format torch checkpoint {root} was saved at {saved} and loads only at that layout "
-            f"(this run: {now}); convert it with --ckpt-convert-format torch_dist to reshard")
-    path = rank_file(root, coords, layout)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    flat_saved: dict[str, Any] = {}
-    for section in model_section_names(len(chunks)):
-        for k, v in state.get(section, {}).items():
-            flat_saved[f"{MODEL}.{k}"] = v
-    for k, v in state.items():
-        if not k.startswith(MODEL):
-            flat_saved[k] = v
-    report = check_keys(options.strictness, request, flat_saved.keys(), rank, source=f"checkpoint {path}")
-    with torch.no_grad():
-        for k, entry in request.items():
-            if k in report.unexpected or not isinstance(entry, GlobalTensor):
-                continue
-            value = flat_saved[k]
-            if len(entry.pieces) == 1:
-                entry.pieces[0].tensor.copy_(value.view_as(entry.pieces[0].tensor))
-            else:
+class LegacyRankFile:
+    """This rank's legacy file, opened for a load at the layout it was saved at (a
+    :class:`~peftckpt.checkpoint.storage.formats.StoredCheckpoint`)."""
+
+    per_rank = True
+
+    def __init__(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int]) -> None:
+        saved = {k: manifest.layout.get(k, 1) for k in ("tp", "pp", "vpp")}
+        now = {k: layout.get(k, 1) for k in ("tp", "pp", "vpp")}
+        if saved != now:
+            raise CheckpointMismatchError(
+                f"legacy --ckpt-format torch checkpoint {root} was saved at {saved} and loads only at that layout "
+                f"(this run: {now}); convert it with --ckpt-convert-format torch_dist to reshard")
+        self.path = rank_file(root, coords, layout)
+        state = torch.load(self.path, map_location="cpu", weights_only=True)
+        self._stored: dict[str, Any] = {}
+        for section in model_section_names(layout.get("vpp", 1)):
+            for k, v in state.pop(section, {}).items():
+                self._stored[dcp_key(section, k)] = v
+        self._stored.update(state)
+        # Local shards: the file does not know the global shapes.
+        self.tensor_shapes: dict[str, list[int] | None] = {
+            k: None for k, v in self._stored.items() if isinstance(v, torch.Tensor)}
+        self.object_keys = {k for k, v in self._stored.items() if not isinstance(v, torch.Tensor)}
+
+    def read(self, request: dict[str, Any], on_piece: Callable[[str, tuple[int, ...], torch.Tensor], None] | None = None
+             ) -> None:
+        """Copy the stored local tensors into the request's pieces and put the stored objects in it.
+
+        A tensor was saved as the local tensor of its parameter (fused pieces concatenated in local order),
+        which is exactly the order of the request's pieces."""
+        with torch.no_grad():
+            for k, entry in request.items():
+                if not isinstance(entry, GlobalTensor):
+                    if k in self.object_keys:
+                        request[k] = self._stored[k]
+                    continue
+                value = self._stored[k].reshape(-1)
                 offset = 0
                 for p in entry.pieces:
                     n = p.tensor.numel()
-                    p.tensor.copy_(value.reshape(-1)[offset:offset + n].view_as(p.tensor))
+                    p.tensor.copy_(value[offset:offset + n].view_as(p.tensor))
                     offset += n
-    # Model tensors were saved as the local tensor of the parameter (fused pieces concatenated in local
-    # order), which is exactly the order of the pieces above.
-    objects = {k: flat_saved[k] for k in object_keys if k in flat_saved}
-    # The file's writer (data-parallel rank 0 of this model-parallel rank) keyed its groups by its rank.
-    group_keys = [k for k in flat_saved if k.startswith(f"{OPTIMIZER}.{PARAM_GROUPS}.")]
-    if options.load_optim and optimizer is not None and group_keys:
-        apply_param_groups(optimizer, flat_saved[group_keys[0]], chunks)
-    rng_key = f"{RNG_STATE}.{rank}"
-    restored = options.load_rng and same_layout and rng_key in flat_saved
-    if restored:
-        restore_rng(flat_saved[rng_key])
-    return LoadResult(root, iteration, manifest, objects, KeyReport(unexpected=report.unexpected), restored)

@@ -29,6 +29,7 @@ import os
 import pickle
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -448,6 +449,10 @@ def _list_legacy(root: Path, report: CheckpointReport, problems: list[str]) -> N
                             f"to that model-parallel rank); their bytes are summed over {len(files)} rank files")
 
 
+# How each format's keys are listed: from DCP's metadata, or from the legacy rank files themselves.
+_KEY_LISTERS: dict[str, Callable[[Path, CheckpointReport, list[str]], None]] = {TORCH_DIST: _list_dcp, TORCH: _list_legacy}
+
+
 def _merge_manifest_keys(report: CheckpointReport, manifest: Manifest) -> None:
     """Model keys take their global shape, dtype and ``requires_grad`` from the manifest; excluded frozen
     keys are added with ``saved=False``."""
@@ -540,10 +545,9 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, verify_checksums: bool =
             report.notes.append("checksums not verified (--no-verify-checksums): only file presence and sizes "
                                 "were checked")
     # 3.
-    if report.format == TORCH_DIST:
-        _list_dcp(root, report, problems)
-    elif report.format == TORCH:
-        _list_legacy(root, report, problems)
+    list_keys = _KEY_LISTERS.get(report.format or "")
+    if list_keys is not None:
+        list_keys(root, report, problems)
     elif manifest is None:
         problems.append(f"{root}: no DCP metadata and no legacy rank files, so no key can be listed")
     if manifest is not None:

@@ -19,12 +19,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...sharding.entries import GlobalTensor, LazyGlobalTensor
-from ..checks.integrity import dcp_problems
 from ..errors import CheckpointFormatError, CheckpointIntegrityError, as_read_error, unwrap_dcp_error
 from ..state.fingerprint import FINGERPRINT_VERSION, base_fingerprint
 from ..state.sections import MODEL
-from ..state.trainable import TORCH_DIST
 from ..storage.checksums import verify_files
+from ..storage.formats import storage_format
 from ..storage.manifest import Manifest, read_manifest
 from ..storage.safe_pickle import SafeFileSystemReader
 from ..storage.storage_layout import resolve_checkpoint_dir
@@ -113,12 +112,13 @@ def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
     verify every file's checksum. ``what`` names the argument in error messages."""
     ckpt, iteration = resolve_checkpoint_dir(path)
     manifest = read_manifest(ckpt)
-    if manifest.format != TORCH_DIST:
+    fmt = storage_format(manifest.format, f"{what} {ckpt}")
+    if not fmt.reshards:  # a legacy file holds one rank's local shards
         raise CheckpointFormatError(
             f"{what} {ckpt} is in the {manifest.format!r} format; the offline tools read torch_dist only: "
             "convert it with `peftckpt train --load ... --ckpt-convert-format torch_dist --ckpt-convert-save DIR`")
     problems = verify_files(ckpt, manifest, hash_if=None if verify_checksums else (lambda _rel: False))
-    problems = list(dict.fromkeys(problems + dcp_problems(ckpt, manifest)))  # always: nothing read from outside
+    problems = list(dict.fromkeys(problems + fmt.structure_problems(ckpt, manifest)))  # always: nothing read from outside
     if problems:
         raise CheckpointIntegrityError(f"{what} {ckpt} is damaged:\n  " + "\n  ".join(problems))
     return OfflineCheckpoint(ckpt, iteration, manifest)
