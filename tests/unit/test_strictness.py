@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, LoadResult, SaveOptions
+from peftckpt.checkpoint.checks.load_checks import optimizer_state_missing
 from peftckpt.checkpoint.checks.strictness import STRICTNESS_FLAG, KeyReport, StrictHandling, check_keys
 from peftckpt.checkpoint.errors import CheckpointError, StrictnessError
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
@@ -327,3 +328,15 @@ def test_exact_model_is_silent_under_every_mode(saved: tuple[Path, dict, dict]) 
         assert result.report == KeyReport(unexpected=[], missing=[]), mode
         assert messages == [], mode
         assert torch.equal(target.fc2.weight, params["fc2.weight"])
+
+
+@pytest.mark.parametrize("mode", list(StrictHandling))
+def test_missing_optimizer_state_follows_the_mode(mode: StrictHandling) -> None:
+    error = optimizer_state_missing(["optimizer.scalar_state.model.w"], mode, 3, Path("/c/iter_0000002"))
+    assert optimizer_state_missing([], mode, 3, Path("/c")) is None
+    if mode.removes_unexpected:
+        assert error is None
+    else:
+        assert isinstance(error, StrictnessError) and str(error) == (
+            "rank 3: checkpoint /c/iter_0000002 lacks the optimizer state of 1 parameter(s): "
+            "optimizer.scalar_state.model.w; pass --no-load-optim to start a fresh optimizer")

@@ -32,6 +32,7 @@ from .checks.load_checks import (
     architecture_mismatch,
     base_mismatch,
     damaged,
+    optimizer_state_missing,
     shape_mismatch,
 )
 from .checks.strictness import KeyReport, check_keys
@@ -42,7 +43,6 @@ from .errors import (
     CheckpointFormatError,
     CheckpointIntegrityError,
     CheckpointMismatchError,
-    StrictnessError,
     UnsafeCheckpointError,
     as_read_error,
     unwrap_dcp_error,
@@ -605,12 +605,7 @@ class Checkpointer:
             else:
                 absent = [f"{OPTIMIZER}.scalar_state.{n}" for n in
                           apply_param_groups(self.optimizer, saved_groups, self.chunks)]
-            error = None
-            if absent and not options.strictness.removes_unexpected:
-                error = StrictnessError(f"rank {self.rank}: checkpoint {ckpt} lacks the optimizer state of "
-                                        f"{len(absent)} parameter(s): {', '.join(absent[:10])}; pass "
-                                        "--no-load-optim to start a fresh optimizer")
-            self.comm.agree(error)
+            self.comm.agree(optimizer_state_missing(absent, options.strictness, self.rank, ckpt))
         for name, key in wanted.states.items():
             self.states[name].load_state_dict(objects.pop(key))
         if wanted.rng is not None:

@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from ...sharding.entries import GlobalTensor
-from ..errors import CheckpointIntegrityError, CheckpointMismatchError
+from ..errors import CheckpointIntegrityError, CheckpointMismatchError, StrictnessError
 from ..storage.manifest import Manifest
+from .strictness import StrictHandling
 
-__all__ = ["adapter_mismatch", "architecture_mismatch", "base_mismatch", "damaged", "shape_mismatch"]
+__all__ = ["adapter_mismatch", "architecture_mismatch", "base_mismatch", "damaged", "optimizer_state_missing",
+           "shape_mismatch"]
 
 
 def damaged(ckpt: Path, problems: list[str], after_read: bool = False) -> CheckpointIntegrityError | None:
@@ -87,3 +89,13 @@ def shape_mismatch(request: Mapping[str, Any], stored: Mapping[str, Sequence[int
         f"checkpoint {ckpt} stores {len(diffs)} tensor(s) with another shape than this model's:\n"
         + "\n".join(diffs[:10]) + ("\n  ..." if len(diffs) > 10 else "")
         + "\nthe model flags (architecture, --lora-rank, --lora-target-modules) must match the checkpoint's")
+
+
+def optimizer_state_missing(absent: Sequence[str], strictness: StrictHandling, rank: int, ckpt: Path
+                            ) -> StrictnessError | None:
+    """The optimizer state entries (``absent``) this rank's parameters lack in ``ckpt``, as one error unless the
+    strictness mode skips what is absent."""
+    if not absent or strictness.removes_unexpected:
+        return None
+    return StrictnessError(f"rank {rank}: checkpoint {ckpt} lacks the optimizer state of {len(absent)} "
+                           f"parameter(s): {', '.join(absent[:10])}; pass --no-load-optim to start a fresh optimizer")
