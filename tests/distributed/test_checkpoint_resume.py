@@ -44,13 +44,17 @@ def _resume_worker(rank: int, world: int, argv: list[str], root: str) -> dict:
     }
 
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+# LoRA with dropout (masks on sharded and replicated activations, drawn from the restored RNG) and evaluations
+# between the steps (which draw nothing) at TP=2; full training elsewhere.
+DROPOUT = ["--lora-rank", "4", "--lora-dropout", "0.3", "--eval-interval", "3", "--eval-iters", "1"]
+LAYOUTS = [(1, 1, []), (2, 1, DROPOUT), (1, 2, []), (2, 2, [])]
 
 
-@pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
-def test_resume_is_bit_exact(tp: int, pp: int, tmp_path: Path) -> None:
-    argv = TINY + ["--train-iters", "8", "--tensor-model-parallel-size", str(tp),
-                   "--pipeline-model-parallel-size", str(pp)]
+@pytest.mark.parametrize("tp,pp,extra", LAYOUTS, ids=[f"tp{t}pp{p}" + ("-lora-dropout" if e else "")
+                                                      for t, p, e in LAYOUTS])
+def test_resume_is_bit_exact(tp: int, pp: int, extra: list[str], tmp_path: Path) -> None:
+    argv = TINY + extra + ["--train-iters", "8", "--tensor-model-parallel-size", str(tp),
+                           "--pipeline-model-parallel-size", str(pp)]
     results = run_distributed(_resume_worker, tp * pp, argv, str(tmp_path))
     for r in results:
         assert len(r["losses"]) == 8 and len(r["first"]) == 4 and len(r["resumed"]) == 4

@@ -68,6 +68,11 @@ CASES = [
     ("dp2-replicated-lora", 2, [], ["--lora-rank", "4"], True),
     ("tp2pp2-lora-swiglu", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
      ["--lora-rank", "4"], True),
+    # dropout masks: the row-parallel adapters' inputs are sharded, and each TP rank masks its slice of the
+    # one mask a single process draws, so even with dropout on TP=2 computes what one process does
+    ("tp2-lora-dropout", 2, ["--tensor-model-parallel-size", "2"],
+     ["--lora-rank", "4", "--lora-dropout", "0.3", "--lora-target-modules", "linear_qkv", "linear_proj",
+      "linear_fc1", "linear_fc2"], True),
 ]
 
 
@@ -83,3 +88,29 @@ def test_layout_matches_single_process(case) -> None:  # type: ignore[no-untyped
     for name, g in ref["grads"].items():
         assert g.abs().sum() > 0, f"reference gradient of {name} is zero: the check would be vacuous"
         torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _dropout_masks(rank: int, world: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from peftckpt.model.linear import sharded_dropout
+    from peftckpt.parallel.tensor_parallel import TensorParallel
+
+    tp = TensorParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    torch.manual_seed(5)  # the trainer seeds every TP rank alike
+    sharded = sharded_dropout(torch.ones(6, 16), 0.5, tp, training=True) != 0  # this rank's 16 of 32 features
+    replicated = torch.nn.Dropout(0.5)(torch.ones(6, 32)) != 0
+    return {"sharded": sharded, "replicated": replicated}
+
+
+def test_dropout_masks_differ_across_tp_ranks_only_where_the_activation_is_sharded() -> None:
+    from peftckpt.model.linear import sharded_dropout
+    from peftckpt.parallel.tensor_parallel import TensorParallel
+
+    first, second = run_distributed(_dropout_masks, 2)
+    assert not torch.equal(first["sharded"], second["sharded"]), "TP ranks drew the same mask for other features"
+    assert torch.equal(first["replicated"], second["replicated"]), "a replicated activation got different masks"
+    torch.manual_seed(5)
+    one_process = sharded_dropout(torch.ones(6, 32), 0.5, TensorParallel(), training=True) != 0
+    assert torch.equal(torch.cat([first["sharded"], second["sharded"]], dim=-1), one_process)
+    assert 0.3 < one_process.float().mean() < 0.7

@@ -21,7 +21,10 @@ from peftckpt.checkpoint.tools.verify import verify_checkpoint
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
         "--ffn-hidden-size", "64", "--vocab-size", "128", "--seq-length", "16", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--mock-data", "--lr", "1e-2", "--lr-warmup-iters", "1", "--log-interval", "100"]
+        "--global-batch-size", "8", "--mock-data", "--lr", "1e-2", "--lr-warmup-iters", "1", "--log-interval", "100",
+        "--device", "cpu"]
+"""The tiny model of the CLI tests, on the device named explicitly (the code is device-generic: on a GPU machine
+``auto`` would pick CUDA)."""
 
 
 def env() -> dict[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from .cli import TINY, no_worker_traceback, peftckpt
 
@@ -35,7 +36,10 @@ CASES = [
      "was saved with a different adapter configuration:\n  rank (--lora-rank): checkpoint 4, model 8\nfix those", 1),
     ("architecture", lambda a: ["--mock-data", "--lora-rank", "4", "--hidden-size", "64", "--load", str(a)],
      "was saved for a different architecture:\n  hidden_size: checkpoint 32, model 64\n", 1),
-]
+] + ([] if torch.cuda.is_available() else [  # the later --device wins over TINY's
+    ("device", lambda a: ["--mock-data", "--device", "cuda"],
+     "--device cuda: this process sees no CUDA device (torch.cuda.is_available() is False", 2),
+])
 
 
 @pytest.mark.parametrize("nproc", [0, 2])

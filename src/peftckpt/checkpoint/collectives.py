@@ -18,6 +18,16 @@ from .errors import CheckpointError
 __all__ = ["Collectives"]
 
 
+def _host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group`` if its backend has gloo (``gloo``, ``cpu:gloo,cuda:nccl``), else a new gloo group of the same
+    ranks (collective over them)."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    if group is None:
+        return dist.new_group(backend="gloo")
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+
+
 class Collectives:
     """``rank``/``world`` within ``group`` and the few collectives a checkpoint needs (no-ops in one process)."""
 
@@ -25,7 +35,9 @@ class Collectives:
         self.distributed = dist.is_available() and dist.is_initialized()
         if group is not None and not self.distributed:
             raise ValueError("process_group was given but torch.distributed is not initialised")
-        self.group = group
+        self.group = _host_group(group) if self.distributed else group
+        """``group``, or where its backend cannot move CPU tensors and objects (NCCL alone), a gloo group of its
+        ranks: what a checkpoint exchanges lives in host memory."""
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world = dist.get_world_size(group) if self.distributed else 1
 

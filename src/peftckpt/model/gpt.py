@@ -99,12 +99,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables of shape [seq, head_dim] (rotate-half convention, as HF Llama)."""
+def rope_cos_sin(seq_len: int, head_dim: int, base: float, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables of shape [seq, head_dim] (rotate-half convention, as HF Llama), on ``device``."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
 
 
 class SelfAttention(nn.Module):
@@ -136,7 +137,7 @@ class SelfAttention(nn.Module):
         k = qkv[:, :, :, hpg, :].transpose(1, 2)
         v = qkv[:, :, :, hpg + 1, :].transpose(1, 2)
         if self.config.position_embedding_type == "rope":
-            cos, sin = rope_cos_sin(s, hd, self.config.rotary_base, q.dtype)
+            cos, sin = rope_cos_sin(s, hd, self.config.rotary_base, q.dtype, q.device)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         if hpg > 1:

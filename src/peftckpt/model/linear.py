@@ -34,7 +34,7 @@ from ..parallel.tensor_parallel import TensorParallel, copy_to_tp, local_tensor,
 from ..sharding.layout import FusedChunks, declare_fused
 from .deferred import ShardedInit, sharded_param
 
-__all__ = ["ParallelLinear", "ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "sharded_dropout"]
 
 
 _BACKWARD_BLOCK_ROWS = 1024
@@ -76,6 +76,21 @@ def base_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _FrozenLinear.apply(x, w)
 
 
+def sharded_dropout(x: torch.Tensor, p: float, tp: TensorParallel, training: bool) -> torch.Tensor:
+    """Dropout of an activation sharded over TP on its last dim (a row-parallel layer's input).
+
+    Every TP rank draws the mask of the whole activation -- the same draw, from generators that are equal
+    across TP -- and keeps its own slice. So the masks of the ranks differ (each masks other features, as
+    one process would), the generators stay equal across TP for the replicated activations' masks, and the
+    run is the same at every TP size, dropout included. The price is ``tp`` times the random numbers of
+    this one mask."""
+    if not training or p == 0.0:
+        return x
+    n = x.shape[-1]
+    keep = torch.empty(*x.shape[:-1], n * tp.size, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p)
+    return x * keep[..., tp.rank * n:(tp.rank + 1) * n] / (1.0 - p)
+
+
 class ParallelLinear(nn.Module):
     """Shared LoRA bookkeeping of the two TP linear flavours (no bias: Llama-style)."""
 
@@ -104,6 +119,9 @@ class ParallelLinear(nn.Module):
         self.lora_B = None
         self.lora_scaling = 0.0
         self.lora_dropout: nn.Module = nn.Identity()
+        """Dropout of the adapter input where it is the same on every TP rank (column-parallel layers)."""
+        self.lora_dropout_p = 0.0
+        """Its probability, for an input sharded over TP (row-parallel layers: :func:`sharded_dropout`)."""
         self.merged = False
 
     # Column and row layers differ only in which adapter matrix is sharded.
@@ -153,6 +171,7 @@ class ParallelLinear(nn.Module):
             self.part_adapters = [p for p in self.parts if p in (*self.part_adapters, part)]
         self.lora_scaling = alpha / rank
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_dropout_p = dropout
 
     def adapter_pairs(self) -> list[tuple[str | None, nn.Parameter, nn.Parameter]]:
         """``(part or None, A, B)`` of every adapter of this layer."""
@@ -257,6 +276,7 @@ class RowParallelLinear(ParallelLinear):
         if self._adapter_active():
             assert self.lora_A is not None and self.lora_B is not None
             a = local_tensor(self.lora_A)
-            h = reduce_from_tp(F.linear(self.lora_dropout(x.to(a.dtype)), a), self.tp)
+            x_a = sharded_dropout(x.to(a.dtype), self.lora_dropout_p, self.tp, self.training)
+            h = reduce_from_tp(F.linear(x_a, a), self.tp)
             y = y + (self.lora_scaling * F.linear(h, local_tensor(self.lora_B))).to(y.dtype)
         return y

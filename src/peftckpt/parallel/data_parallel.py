@@ -53,10 +53,11 @@ def _replicas(t: torch.Tensor, ranks_per_stage: int) -> int:
 
 
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float, ranks_per_stage: int,
-                   distributed: bool) -> float:
+                   distributed: bool, device: torch.device | str = "cpu") -> float:
     """Global L2 norm of all gradients (over TP, PP and DP); scale them down to ``max_norm`` if larger
-    (``max_norm <= 0``: measure only). ``ranks_per_stage`` = ``tp * dp``. Returns the norm before clipping."""
-    total = torch.zeros((), dtype=torch.float64)
+    (``max_norm <= 0``: measure only). ``ranks_per_stage`` = ``tp * dp``; ``device``: the gradients'.
+    Returns the norm before clipping."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         if p.grad is None:
             continue

@@ -22,6 +22,7 @@ from ..model.config import (
     GPTConfig,
     LoRAConfig,
 )
+from ..parallel.device import DEVICES
 from .checkpoint_flags import add_checkpoint_args, validate_checkpoint_args
 from .errors import ArgumentError
 
@@ -73,6 +74,9 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved pipeline: layers per virtual stage")
+    g.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to compute: auto is cuda when a GPU is visible (the rank's GPU is LOCAL_RANK; "
+                   "NCCL for tensors, gloo for the rest), else cpu (gloo)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard parameters, gradients and optimizer state over data parallel (FSDP2)")
 

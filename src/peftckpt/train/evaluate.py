@@ -90,4 +90,4 @@ def eval_main(argv: Sequence[str]) -> int:
 
     from .run import exit_multi_rank, run_with_process_group  # torch: only once the flags are valid
 
-    return exit_multi_rank(run_with_process_group(body, world_size, rank, "eval"), world_size)
+    return exit_multi_rank(run_with_process_group(body, world_size, rank, "eval", args.device), world_size)

@@ -15,21 +15,30 @@ import torch.distributed as dist
 
 from ..checkpoint.errors import CheckpointError
 from ..cli.parsing import print_error
+from ..parallel.device import backend_for, resolve_device
 from .args import ArgumentError
 from .interrupts import RunStopped, StopSignals
 
 __all__ = ["run_training", "run_with_process_group", "end_with_launcher", "exit_multi_rank"]
 
 
-def run_with_process_group(body: Callable[[], None], world_size: int, rank: int, prog: str) -> int:
-    """Initialise gloo when ``world_size > 1``, run ``body``, tear down; returns the exit code.
+def run_with_process_group(body: Callable[[], None], world_size: int, rank: int, prog: str,
+                           device: str = "cpu") -> int:
+    """Pick this rank's ``--device`` and, when ``world_size > 1``, initialise the process group for it
+    (:func:`~peftckpt.parallel.device.backend_for`); run ``body``, tear down; returns the exit code.
 
     A user error (bad flag value found late, bad checkpoint) is printed as ``peftckpt <prog>: error: ...``
     and gives 2 (flags) or 1 (checkpoints); a run stopped by a signal prints where it can resume and gives
     its exit code (:mod:`~peftckpt.train.interrupts`)."""
     end_with_launcher()
+    try:
+        backend = backend_for(resolve_device(device))
+    except ValueError as e:  # the same on every rank
+        if rank == 0:
+            print_error(f"peftckpt {prog}", ArgumentError(str(e)))
+        return 2
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
     code = 1
     agreed = False  # every rank leaves at the same point: wait for the others before tearing down
     try:
@@ -78,7 +87,7 @@ def run_training(args: argparse.Namespace, world_size: int, rank: int) -> int:
             if lock is not None:
                 lock.release()
 
-    return run_with_process_group(body, world_size, rank, "train")
+    return run_with_process_group(body, world_size, rank, "train", args.device)
 
 
 def end_with_launcher() -> None:

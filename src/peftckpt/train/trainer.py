@@ -21,6 +21,7 @@ from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel, TransformerLayer, gpt_loss
 from ..model.lora import apply_lora, cast_frozen
 from ..parallel.data_parallel import allreduce_gradients, clip_grad_norm, shard_for_distributed_optimizer
+from ..parallel.device import resolve_device
 from ..parallel.dims import ParallelDims, stage_layer_numbers
 from ..parallel.pipeline import PipelineRunner
 from .args import ArgumentError, lora_config, model_config, parallel_dims
@@ -68,7 +69,10 @@ class Trainer:
         self.distributed = world_size > 1
         self.stop = stop or StopSignals()
         """Signals asking the run to stop between iterations (``peftckpt train`` installs them)."""
-        self.device = torch.device("cpu")
+        try:
+            self.device = resolve_device(getattr(args, "device", "cpu"))
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
         # 1. layout
         self.dims: ParallelDims = parallel_dims(args, world_size)
         self.meshes = self.dims.build(self.device.type)
@@ -114,7 +118,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- setup
     def reseed(self, iteration: int) -> None:
-        """Deterministic per-rank RNG seeds (equal across TP ranks, which must draw the same dropout masks)."""
+        """Deterministic per-rank RNG seeds, equal across TP ranks: an activation every TP rank holds whole gets
+        the same dropout mask on each, a sharded one each rank's slice of one shared draw
+        (:func:`~peftckpt.model.linear.sharded_dropout`)."""
         seed_everything(self.args.seed + 100 * self.meshes.pp_rank + 10_000 * self.meshes.dp_rank
                         + 1_000_003 * iteration)
 
@@ -163,7 +169,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------- one step
     def _reduce_loss(self, loss: torch.Tensor | None) -> float:
         """Mean loss over DP, from the last pipeline stage, on every rank."""
-        value = torch.zeros((), dtype=torch.float64) if loss is None else loss.detach().double()
+        # On the CPU (gloo), whatever the device: every rank takes part in the same all-reduce.
+        value = torch.zeros((), dtype=torch.float64) if loss is None else loss.detach().double().cpu()
         if self.distributed:
             dist.all_reduce(value)
             value /= self.dims.tp * self.dims.dp
@@ -171,14 +178,14 @@ class Trainer:
 
     def forward_backward(self, batch: torch.Tensor) -> float:
         """Gradients of the mean loss over this rank's share of the global batch; returns the global loss."""
-        local = dp_slice(batch, self.meshes.dp_rank, self.dims.dp)
+        local = dp_slice(batch, self.meshes.dp_rank, self.dims.dp).to(self.device)
         tokens, targets = local[:, :-1].contiguous(), local[:, 1:].contiguous()
         # No autocast: each layer computes in its weights' dtype (see peftckpt.model.linear); the loss is fp32.
         if self.runner is not None:
             loss = self.runner.train_step(tokens, targets)
         else:
             (model,) = self.chunks
-            total = torch.zeros(())
+            total = torch.zeros((), device=self.device)
             for tok, tgt in zip(tokens.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)):
                 mb_loss = gpt_loss(model(tok), tgt) / self.num_microbatches
                 mb_loss.backward()
@@ -196,7 +203,7 @@ class Trainer:
         batch = self.sampler.next_global_batch()
         loss = self.forward_backward(batch)
         grad_norm = clip_grad_norm(self.params, self.args.clip_grad, self.dims.tp * self.dims.dp,
-                                   self.distributed)
+                                   self.distributed, self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -213,8 +220,18 @@ class Trainer:
 
     @torch.no_grad()
     def eval_batch(self, batch: torch.Tensor) -> float:
-        """Mean next-token loss of one global batch ``[global_batch, seq + 1]`` (forward only), on every rank."""
-        local = dp_slice(batch, self.meshes.dp_rank, self.dims.dp)
+        """Mean next-token loss of one global batch ``[global_batch, seq + 1]`` (forward only, in eval mode:
+        no dropout, no random number drawn), on every rank."""
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            return self._eval_batch(batch)
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+
+    def _eval_batch(self, batch: torch.Tensor) -> float:
+        local = dp_slice(batch, self.meshes.dp_rank, self.dims.dp).to(self.device)
         tokens, targets = local[:, :-1].contiguous(), local[:, 1:].contiguous()
         if self.runner is not None:
             loss = self.runner.eval_step(tokens, targets)

@@ -170,7 +170,8 @@ def apply_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, A
 
 
 def rng_entry() -> dict[str, Any]:
-    """This rank's RNG states as weights-only-loadable values (python, numpy, torch CPU, CUDA if present)."""
+    """This rank's RNG states as weights-only-loadable values (python, numpy, torch CPU, and the current CUDA
+    device's where this process uses CUDA: each rank restores its own GPU's generator)."""
     py = random.getstate()
     np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     entry: dict[str, Any] = {
@@ -178,8 +179,8 @@ def rng_entry() -> dict[str, Any]:
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        entry["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_initialized():  # not is_available(): that would start CUDA on every GPU for nothing
+        entry["cuda"] = torch.cuda.get_rng_state()
     return entry
 
 
@@ -189,8 +190,11 @@ def restore_rng(entry: dict[str, Any]) -> None:
     n = entry["numpy"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
     torch.set_rng_state(entry["torch"])
-    if "cuda" in entry and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(entry["cuda"])
+    cuda = entry.get("cuda")
+    if isinstance(cuda, list):  # earlier releases saved every visible GPU's: this rank's device is its own
+        cuda = cuda[torch.cuda.current_device()] if torch.cuda.is_available() and cuda else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 def tensor_records(entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
