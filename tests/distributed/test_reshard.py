@@ -27,11 +27,20 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp1pp2vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
 }
 ARGV = TINY + ["--train-iters", "3"]
+TIED = ["--no-untie-embeddings-and-output-weights"]
+TIED_LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "tied-pp2": (2, [*TIED, "--pipeline-model-parallel-size", "2"]),
+    "tied-dp2": (2, TIED),
+}
+
+
+def _flags(name: str) -> list[str]:
+    return {**LAYOUTS, **TIED_LAYOUTS}[name][1]
 
 
 def _save(name: str, root: Path, rank: int, world: int) -> dict:
     """Train 2 steps, save, train a 3rd: return the saved global state and the 3rd loss."""
-    argv = ARGV + LAYOUTS[name][1] + ["--save", str(root / name), "--save-interval", "2"]
+    argv = ARGV + _flags(name) + ["--save", str(root / name), "--save-interval", "2"]
     t = Trainer(parse_train_args(argv, world), world, rank)
     from peftckpt.train.checkpointing import TrainerCheckpointing
 
@@ -45,7 +54,7 @@ def _save(name: str, root: Path, rank: int, world: int) -> dict:
 
 
 def _load(name: str, source: str, root: Path, rank: int, world: int) -> dict:
-    argv = ARGV + LAYOUTS[name][1] + ["--load", str(root / source)]
+    argv = ARGV + _flags(name) + ["--load", str(root / source)]
     t = Trainer(parse_train_args(argv, world), world, rank)
     from peftckpt.train.checkpointing import TrainerCheckpointing
 
@@ -102,6 +111,28 @@ def test_reshard_matrix(tmp_path: Path) -> None:
         want = saved[src]
         assert got["iteration"] == 2, (dst, src)
         assert set(got["state"]) == set(want["state"]), (dst, src)
+        bad = [k for k, v in want["state"].items() if not torch.equal(got["state"][k], v)]
+        assert not bad, f"load at {dst} of a checkpoint saved at {src}: {bad[:5]} differ"
+        assert got["next_loss"] == pytest.approx(want["next_loss"], rel=1e-5), (dst, src)
+
+
+def test_tied_embeddings_across_stages_are_saved_once_and_reshard(tmp_path: Path) -> None:
+    """The first and the last stage both hold the tied table: the checkpoint stores it once, and it loads at
+    PP=1 (one holder) and back."""
+    from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
+
+    saved: dict = {}
+    loaded: dict = {}
+    _run(2, tmp_path, list(TIED_LAYOUTS), [("tied-dp2", "tied-pp2"), ("tied-pp2", "tied-dp2")], saved, loaded)
+    key = "model.embedding.word_embeddings.weight"
+    for name in TIED_LAYOUTS:
+        metadata = load_dcp_metadata(tmp_path / name / "iter_0000002" / ".metadata").state_dict_metadata
+        assert len(metadata[key].chunks) == 1, (name, metadata[key].chunks)  # written by one rank, whole
+        assert not any("output_layer" in k for k in metadata), name
+    assert set(saved["tied-pp2"]["state"]) == set(saved["tied-dp2"]["state"])
+    for (dst, src), got in loaded.items():
+        want = saved[src]
+        assert got["iteration"] == 2 and set(got["state"]) == set(want["state"]), (dst, src)
         bad = [k for k, v in want["state"].items() if not torch.equal(got["state"][k], v)]
         assert not bad, f"load at {dst} of a checkpoint saved at {src}: {bad[:5]} differ"
         assert got["next_loss"] == pytest.approx(want["next_loss"], rel=1e-5), (dst, src)

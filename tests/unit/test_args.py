@@ -74,9 +74,9 @@ def test_valid_layout_parses_and_fills_defaults() -> None:
         pytest.param(["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--micro-batch-size", "2"],
                      2, "needs at least --pipeline-model-parallel-size (2) micro-batches per step; "
                      "--global-batch-size / (--micro-batch-size x data-parallel size) = 1", id="too-few-micro"),
-        pytest.param(["--pipeline-model-parallel-size", "2", "--no-untie-embeddings-and-output-weights"], 2,
-                     "--no-untie-embeddings-and-output-weights (tied embeddings) is not supported with "
-                     "--pipeline-model-parallel-size > 1", id="tied-with-pp"),
+        pytest.param(["--tensor-model-parallel-size", "2", "--vocab-size", "1"], 2,
+                     "--vocab-size (1) is too small to split over --tensor-model-parallel-size (2): every rank "
+                     "needs rows of the embedding table", id="vocab-too-small-for-tp"),
         pytest.param(["--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], 4,
                      "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported",
                      id="distopt-with-tp"),

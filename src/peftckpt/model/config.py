@@ -121,6 +121,14 @@ class GPTConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def check_vocab_split(vocab_size: int, tp_size: int) -> None:
+    """``ValueError`` naming the flags unless every TP rank gets rows of the (vocab-parallel) embedding table
+    (``torch.chunk`` semantics: ``ceil(vocab / tp)`` rows per rank, the last ranks the rest)."""
+    if tp_size > 1 and -(-vocab_size // tp_size) * (tp_size - 1) >= vocab_size:
+        raise ValueError(f"--vocab-size ({vocab_size}) is too small to split over --tensor-model-parallel-size "
+                         f"({tp_size}): every rank needs rows of the embedding table")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Low-rank adapters on the named linear layers of every (or the listed) transformer layer."""

@@ -2,7 +2,7 @@
 
 State-dict names (global layer numbers, whatever the pipeline split)::
 
-    embedding.word_embeddings.weight            [vocab, hidden]   (replicated over TP)
+    embedding.word_embeddings.weight            [vocab, hidden]   (rows split over TP: vocab-parallel)
     embedding.position_embeddings.weight        [max_pos, hidden] (learned_absolute only)
     decoder.layers.N.input_layernorm.weight
     decoder.layers.N.self_attention.linear_qkv.weight   [(heads + 2*groups) * head_dim, hidden]
@@ -11,7 +11,10 @@ State-dict names (global layer numbers, whatever the pipeline split)::
     decoder.layers.N.mlp.linear_fc1.weight      [2*ffn (SwiGLU: [gate; up]) or ffn, hidden]
     decoder.layers.N.mlp.linear_fc2.weight      [hidden, ffn]
     decoder.final_layernorm.weight
-    output_layer.weight                         [vocab, hidden] (untied only)
+    output_layer.weight                         [vocab, hidden] (untied only; rows split over TP)
+
+With TP the vocabulary is split (:mod:`~peftckpt.model.vocab_parallel`): a last stage returns the logits of this
+rank's vocabulary rows, and :func:`gpt_loss` takes the softmax over all of them without gathering the logits.
 
 The fused QKV rows are grouped per query group -- ``[q_g (heads/groups heads), k_g, v_g]`` for each group g
 -- so a contiguous TP split hands every rank whole groups and the global tensor does not depend on TP.
@@ -34,10 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.tensor_parallel import TensorParallel, local_tensor
-from .config import GPTConfig
+from ..parallel.tensor_parallel import TensorParallel, copy_to_tp, local_tensor
+from .config import GPTConfig, check_vocab_split
 from .deferred import ParamFilter, ShardedInit, init_parameters, materialize, sharded_param
 from .linear import ColumnParallelLinear, RowParallelLinear, base_linear
+from .vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 __all__ = ["GPTModel", "TransformerLayer", "param_generator", "gpt_loss"]
 
@@ -68,7 +72,7 @@ class _Init:
 
     def replicated(self, module: nn.Module, name: str, shape: tuple[int, ...],
                    full: Callable[[], torch.Tensor]) -> nn.Parameter:
-        """A parameter every TP rank holds whole (norms, embeddings, output layer)."""
+        """A parameter every TP rank holds whole (norms, position embeddings)."""
         return sharded_param(module, name, shape, ShardedInit(full, self.tp, None), device=self.device)
 
 
@@ -191,27 +195,33 @@ class TransformerLayer(nn.Module):
 
 
 class WeightHolder(nn.Module):
-    """A module that only holds a replicated ``weight`` (gives Megatron's ``<name>.weight`` keys)."""
+    """A module that only holds a ``weight`` (gives Megatron's ``<name>.weight`` keys): replicated over TP, or
+    with ``dim`` sharded on that dimension."""
 
     weight: nn.Parameter
 
-    def __init__(self, init: _Init, name: str, shape: tuple[int, ...]):
+    def __init__(self, init: _Init, name: str, shape: tuple[int, ...], dim: int | None = None):
         super().__init__()
-        init.replicated(self, "weight", shape, init.normal(name, shape))
+        sharded_param(self, "weight", shape, ShardedInit(init.normal(name, shape), init.tp, dim), device=init.device)
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: GPTConfig, init: _Init):
+    """The word (and learned position) embeddings; ``positions=False``: the word embeddings only, as the last
+    pipeline stage holds them when they are tied to the output layer."""
+
+    def __init__(self, config: GPTConfig, tp: TensorParallel, init: _Init, positions: bool = True):
         super().__init__()
+        self.tp = tp
+        self.vocab_size = config.vocab_size
         self.word_embeddings = WeightHolder(init, "embedding.word_embeddings.weight",
-                                            (config.vocab_size, config.hidden_size))
+                                            (config.vocab_size, config.hidden_size), dim=0)
         self.position_embeddings: WeightHolder | None = None
-        if config.position_embedding_type == "learned_absolute":
+        if positions and config.position_embedding_type == "learned_absolute":
             self.position_embeddings = WeightHolder(init, "embedding.position_embeddings.weight",
                                                     (config.max_position_embeddings, config.hidden_size))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(tokens, local_tensor(self.word_embeddings.weight))
+        x = vocab_parallel_embedding(tokens, local_tensor(self.word_embeddings.weight), self.tp, self.vocab_size)
         if self.position_embeddings is not None:
             pos = torch.arange(tokens.shape[1], device=tokens.device)
             x = x + F.embedding(pos, local_tensor(self.position_embeddings.weight))
@@ -266,23 +276,24 @@ class GPTModel(nn.Module):
             raise ValueError(
                 f"--ffn-hidden-size ({config.ffn}) must be divisible by --tensor-model-parallel-size ({tp.size})"
             )
+        check_vocab_split(config.vocab_size, tp.size)
         tied = not config.untie_embeddings_and_output_weights
-        if tied and post_process and not pre_process:
-            raise ValueError(
-                "tied embeddings need the embedding and the output layer on the same pipeline stage: pass "
-                "--untie-embeddings-and-output-weights with --pipeline-model-parallel-size > 1"
-            )
         self.config = config
         self.tp = tp
         self.pre_process = pre_process
         self.post_process = post_process
         self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
         init = _Init(config, seed, tp, device)
-        self.embedding = Embedding(config, init) if pre_process else None
+        self.embedding: Embedding | None = None
+        if pre_process:
+            self.embedding = Embedding(config, tp, init)
+        elif post_process and tied:  # the output layer's copy of the first stage's table (same key, same values)
+            self.embedding = Embedding(config, tp, init, positions=False)
         self.decoder = Decoder(config, tp, init, self.layer_numbers, post_process)
         self.output_layer: WeightHolder | None = None
         if post_process and not tied:
-            self.output_layer = WeightHolder(init, "output_layer.weight", (config.vocab_size, config.hidden_size))
+            self.output_layer = WeightHolder(init, "output_layer.weight", (config.vocab_size, config.hidden_size),
+                                             dim=0)
 
     def init_weights(self, include: ParamFilter | None = None) -> list[str]:
         """(Re-)initialise the parameters ``include(name, param)`` accepts (default: all, adapters included)
@@ -296,8 +307,17 @@ class GPTModel(nn.Module):
         stay uninitialised until a checkpoint is loaded into them. Returns the names initialised."""
         return materialize(self, device, include)
 
+    def shared_embedding(self) -> nn.Parameter | None:
+        """The word embeddings where another pipeline stage holds them too (tied to the output layer with
+        PP > 1: the first and the last stage); their gradients must be summed over the two."""
+        tied = not self.config.untie_embeddings_and_output_weights
+        if not tied or self.embedding is None or self.pre_process == self.post_process:
+            return None
+        return self.embedding.word_embeddings.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embedding is not None:
+        if self.pre_process:
+            assert self.embedding is not None
             x = self.embedding(x)
         x = self.decoder(x)
         if not self.post_process:
@@ -307,9 +327,14 @@ class GPTModel(nn.Module):
         else:
             assert self.embedding is not None
             w = local_tensor(self.embedding.word_embeddings.weight)
-        return base_linear(x, w)
+        return base_linear(copy_to_tp(x, self.tp), w)  # column-parallel: this rank's vocabulary rows
 
 
-def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy (fp32)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel | None = None,
+             vocab_size: int | None = None) -> torch.Tensor:
+    """Mean next-token cross entropy (fp32) of the logits a last stage returns: with ``tp``, those of this
+    rank's rows of the ``vocab_size`` vocabulary (see :mod:`~peftckpt.model.vocab_parallel`)."""
+    if tp is None or tp.size == 1:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    assert vocab_size is not None, "a vocabulary split over TP needs its size"
+    return vocab_parallel_cross_entropy(logits, targets, tp, vocab_size).mean()

@@ -53,13 +53,16 @@ def _replicas(t: torch.Tensor, ranks_per_stage: int) -> int:
 
 
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float, ranks_per_stage: int,
-                   distributed: bool, device: torch.device | str = "cpu") -> float:
+                   distributed: bool, device: torch.device | str = "cpu",
+                   counted_elsewhere: Sequence[nn.Parameter] = ()) -> float:
     """Global L2 norm of all gradients (over TP, PP and DP); scale them down to ``max_norm`` if larger
-    (``max_norm <= 0``: measure only). ``ranks_per_stage`` = ``tp * dp``; ``device``: the gradients'.
-    Returns the norm before clipping."""
+    (``max_norm <= 0``: measure only). ``ranks_per_stage`` = ``tp * dp``; ``device``: the gradients';
+    ``counted_elsewhere``: copies of a parameter another stage holds too (tied embeddings), scaled but not
+    measured. Returns the norm before clipping."""
     total = torch.zeros((), dtype=torch.float64, device=device)
+    skip = {id(p) for p in counted_elsewhere}
     for p in params:
-        if p.grad is None:
+        if p.grad is None or id(p) in skip:
             continue
         g = local_tensor(p.grad)
         total += g.double().pow(2).sum() / _replicas(p.grad, ranks_per_stage)

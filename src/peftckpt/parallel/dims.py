@@ -105,6 +105,24 @@ class ParallelMeshes:
         sub = self._sub(axis)
         return None if sub is None else sub.get_group()
 
+    def embedding_group(self) -> dist.ProcessGroup | None:
+        """The group of the first and the last pipeline rank of this rank's (dp, tp) position, which both hold
+        the word embeddings when they are tied to the output layer (``None`` without pipeline parallelism).
+        Collective: every rank creates every such group."""
+        if self.mesh is None or self.dims.pp == 1:
+            return None
+        if self.dims.pp == 2:
+            return self.group("pp")
+        ranks = self.mesh.mesh  # [pp, dp, tp] -> global rank
+        mine = None
+        for d in range(self.dims.dp):
+            for t in range(self.dims.tp):
+                pair = [int(ranks[0, d, t]), int(ranks[-1, d, t])]
+                group = dist.new_group(pair)
+                if dist.get_rank() in pair:
+                    mine = group
+        return mine
+
     def stage_ids(self) -> list[int]:
         """Global pipeline stages held by this rank, in the looped order interleaved schedules expect."""
         return [self.pp_rank + i * self.dims.pp for i in range(self.dims.vpp)]

@@ -21,6 +21,7 @@ from ..model.config import (
     LORA_TARGETS,
     GPTConfig,
     LoRAConfig,
+    check_vocab_split,
 )
 from ..parallel.device import DEVICES
 from .checkpoint_flags import add_checkpoint_args, validate_checkpoint_args
@@ -204,11 +205,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                         ("--ffn-hidden-size", cfg.ffn)):
         if value % tp:
             raise ArgumentError(f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
-    if pp > 1 and not cfg.untie_embeddings_and_output_weights:
-        raise ArgumentError(
-            "--no-untie-embeddings-and-output-weights (tied embeddings) is not supported with "
-            "--pipeline-model-parallel-size > 1: the embedding and the output layer live on different stages"
-        )
+    try:
+        check_vocab_split(cfg.vocab_size, tp)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
     if args.seq_length > cfg.max_position_embeddings:
         raise ArgumentError(
             f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings ({cfg.max_position_embeddings})"

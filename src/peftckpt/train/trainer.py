@@ -7,6 +7,7 @@ layout, and it talks to checkpoints only through :mod:`peftckpt.train.checkpoint
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 from collections.abc import Iterator
@@ -97,11 +98,18 @@ class Trainer:
             # FSDP2 replaced the parameters by sharded ones: look them up again.
             self.named_trainable = [(n, p) for c in self.chunks for n, p in c.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_trainable]
+        # Tied embeddings with PP > 1: the first and the last stage each hold the table; their gradients are
+        # summed over the two, and the last stage's copy is left out of the gradient norm (counted once).
+        self.shared = [p for c in self.chunks if (p := c.shared_embedding()) is not None and p.requires_grad]
+        self.embedding_group = self.meshes.embedding_group()
+        self.norm_skips = [p for c in self.chunks if not c.pre_process and (p := c.shared_embedding()) is not None]
         # 3. optimizer + schedule
         self.optimizer = build_optimizer(self.named_trainable, args)
         self.scheduler = OptimizerParamScheduler(self.optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
                                                  args.lr_decay_iters, args.lr_decay_style)
         # 4. data + pipeline
+        self.loss_fn = functools.partial(gpt_loss, tp=self.meshes.tp, vocab_size=self.config.vocab_size)
+        """The mean loss of a last stage's logits (this rank's vocabulary rows with TP)."""
         self.train_data, self.eval_data = self._build_data()
         self.sampler = GlobalBatchSampler(self.train_data, args.global_batch_size, args.seed)
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dims.dp)
@@ -110,7 +118,7 @@ class Trainer:
             pp_group = self.meshes.group("pp")
             assert pp_group is not None
             self.runner = PipelineRunner(self.chunks, self.stage_ids, self.dims.num_stages, pp_group,
-                                         self.num_microbatches, gpt_loss, self.device)
+                                         self.num_microbatches, self.loss_fn, self.device)
         self.iteration = 0
         self.logger = MetricsLogger(args.metrics_file, args.log_interval, args.train_iters,
                                     progress=args.progress, enabled=rank == 0)
@@ -187,7 +195,7 @@ class Trainer:
             (model,) = self.chunks
             total = torch.zeros((), device=self.device)
             for tok, tgt in zip(tokens.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)):
-                mb_loss = gpt_loss(model(tok), tgt) / self.num_microbatches
+                mb_loss = self.loss_fn(model(tok), tgt) / self.num_microbatches
                 mb_loss.backward()
                 total += mb_loss.detach()
             loss = total
@@ -195,6 +203,9 @@ class Trainer:
             group = self.meshes.group("dp")
             assert group is not None
             allreduce_gradients(self.params, group, self.dims.dp)
+        if self.shared:
+            assert self.embedding_group is not None
+            allreduce_gradients(self.shared, self.embedding_group, 1)  # a sum: each stage has its part
         return self._reduce_loss(loss)
 
     def train_step(self) -> tuple[float, float, float]:
@@ -203,7 +214,7 @@ class Trainer:
         batch = self.sampler.next_global_batch()
         loss = self.forward_backward(batch)
         grad_norm = clip_grad_norm(self.params, self.args.clip_grad, self.dims.tp * self.dims.dp,
-                                   self.distributed, self.device)
+                                   self.distributed, self.device, counted_elsewhere=self.norm_skips)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -237,7 +248,7 @@ class Trainer:
             loss = self.runner.eval_step(tokens, targets)
         else:
             (model,) = self.chunks
-            loss = torch.stack([gpt_loss(model(t), g) for t, g in
+            loss = torch.stack([self.loss_fn(model(t), g) for t, g in
                                 zip(tokens.chunk(self.num_microbatches),
                                     targets.chunk(self.num_microbatches))]).mean()
         return self._reduce_loss(loss)
