@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from peftckpt.model.gpt import param_generator
 from peftckpt.sharding.layout import fused_layouts, to_canonical
@@ -26,14 +27,19 @@ def global_tensor(t: torch.Tensor, name: str, chunk: torch.nn.Module, tp_size: i
 
 def randomize_lora_b(trainer) -> None:  # type: ignore[no-untyped-def]
     """Give every LoRA B a deterministic non-zero value (B = 0 at init makes A's gradient vanish)."""
-    tp = trainer.meshes.tp
+    tp = trainer.dims.tp
     for chunk in trainer.chunks:
         for name, p in chunk.named_parameters():
             if name.endswith("lora_B"):
                 full = torch.randn(p.shape, generator=param_generator(7, name)) * 0.05
                 layout = fused_layouts(chunk).get(name)
-                sharded = isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
-                local = tp.shard_of(full, 0 if sharded else None, layout.num_chunks if layout else 1)
+                if layout is not None and tp > 1:  # DTensor's global view: each TP rank's slice of every chunk
+                    blocks = full.chunk(layout.num_chunks, dim=0)
+                    full = torch.cat([torch.cat([b.chunk(tp, dim=0)[t] for b in blocks]) for t in range(tp)])
+                local = full
+                if isinstance(p, DTensor):  # this rank's region (TP, or TP and FSDP over DP)
+                    shape, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    local = full[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
                 with torch.no_grad():
                     (p.to_local() if isinstance(p, DTensor) else p).copy_(local)
 

@@ -65,6 +65,9 @@ CASES = [
     ("pp2-vpp2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
      [], False),
     ("dp2-distopt", 2, ["--use-distributed-optimizer"], [], False),
+    # FSDP2 over DP on top of the TP mesh (2-D): frozen base, fused q/k/v and gate/up under both splits
+    ("tp2dp2-distopt-lora", 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+     ["--lora-rank", "4"], True),
     ("dp2-replicated-lora", 2, [], ["--lora-rank", "4"], True),
     ("tp2pp2-lora-swiglu", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
      ["--lora-rank", "4"], True),

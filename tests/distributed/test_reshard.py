@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peftckpt.checkpoint.storage.manifest import read_manifest
 from peftckpt.train.args import parse_train_args
 from peftckpt.train.trainer import Trainer
 
@@ -24,9 +25,17 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp1pp2dp1": (2, ["--pipeline-model-parallel-size", "2"]),
     "tp2pp2dp1": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "tp1pp1dp2": (2, ["--use-distributed-optimizer"]),
+    "tp2dp2-distopt": (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),  # 2-D FSDP + TP
     "tp1pp2vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
 }
 ARGV = TINY + ["--train-iters", "3"]
+LORA = ["--lora-rank", "4", "--save-trainable-params-only"]
+# Adapter-only checkpoints between FSDP2 over DP on top of TP (2-D) and one process, both ways (the base comes
+# from the same deterministic initialisation).
+LORA_LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "lora-tp1pp1dp1": (1, LORA),
+    "lora-tp2dp2-distopt": (4, [*LORA, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),
+}
 TIED = ["--no-untie-embeddings-and-output-weights"]
 TIED_LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tied-pp2": (2, [*TIED, "--pipeline-model-parallel-size", "2"]),
@@ -35,7 +44,7 @@ TIED_LAYOUTS: dict[str, tuple[int, list[str]]] = {
 
 
 def _flags(name: str) -> list[str]:
-    return {**LAYOUTS, **TIED_LAYOUTS}[name][1]
+    return {**LAYOUTS, **LORA_LAYOUTS, **TIED_LAYOUTS}[name][1]
 
 
 def _save(name: str, root: Path, rank: int, world: int) -> dict:
@@ -96,17 +105,21 @@ def test_reshard_matrix(tmp_path: Path) -> None:
     saved: dict = {}
     loaded: dict = {}
     pairs = [(dst, src) for dst in LAYOUTS for src in LAYOUTS if dst != src]
+    lora_pairs = [(dst, src) for dst in LORA_LAYOUTS for src in LORA_LAYOUTS if dst != src]
+    world_of = {name: world for name, (world, _) in {**LAYOUTS, **LORA_LAYOUTS}.items()}
+    lora = {w: [n for n in LORA_LAYOUTS if world_of[n] == w] for w in (1, 4)}
     # Order the spawns so that every load finds its checkpoint: 1 (save), 4 (save), 2 (save + load all),
     # 1 (load all), 4 (load all).
-    _run(1, tmp_path, by_world[1], [], saved, loaded)
-    _run(4, tmp_path, by_world[4], [], saved, loaded)
-    _run(2, tmp_path, by_world[2], [p for p in pairs if LAYOUTS[p[0]][0] == 2], saved, loaded)
-    _run(1, tmp_path, [], [p for p in pairs if LAYOUTS[p[0]][0] == 1], saved, loaded)
-    _run(4, tmp_path, [], [p for p in pairs if LAYOUTS[p[0]][0] == 4], saved, loaded)
-    assert len(loaded) == len(pairs) == 30
-    reference = saved["tp1pp1dp1"]["state"]
-    for name in LAYOUTS:
-        assert set(saved[name]["state"]) == set(reference), name
+    _run(1, tmp_path, by_world[1] + lora[1], [], saved, loaded)
+    _run(4, tmp_path, by_world[4] + lora[4], [], saved, loaded)
+    _run(2, tmp_path, by_world[2], [p for p in pairs if world_of[p[0]] == 2], saved, loaded)
+    _run(1, tmp_path, [], [p for p in pairs + lora_pairs if world_of[p[0]] == 1], saved, loaded)
+    _run(4, tmp_path, [], [p for p in pairs + lora_pairs if world_of[p[0]] == 4], saved, loaded)
+    assert len(loaded) == len(pairs) + len(lora_pairs) == 44
+    for family in (LAYOUTS, LORA_LAYOUTS):
+        reference = saved[next(iter(family))]["state"]
+        for name in family:
+            assert set(saved[name]["state"]) == set(reference), name
     for (dst, src), got in loaded.items():
         want = saved[src]
         assert got["iteration"] == 2, (dst, src)
@@ -114,6 +127,9 @@ def test_reshard_matrix(tmp_path: Path) -> None:
         bad = [k for k, v in want["state"].items() if not torch.equal(got["state"][k], v)]
         assert not bad, f"load at {dst} of a checkpoint saved at {src}: {bad[:5]} differ"
         assert got["next_loss"] == pytest.approx(want["next_loss"], rel=1e-5), (dst, src)
+    for name in LORA_LAYOUTS:
+        manifest = read_manifest(tmp_path / name / "iter_0000002")
+        assert manifest.trainable_only and manifest.excluded_keys, name
 
 
 def test_tied_embeddings_across_stages_are_saved_once_and_reshard(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ Pieces are views of the live tensors: a load writes straight into the model and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,13 +145,23 @@ def global_tensor_of(t: torch.Tensor, fused: FusedChunks | None = None,
     replicated = not any(isinstance(p, Shard) for p in t.placements)
     if fused is None or fused.num_chunks == 1 or replicated:
         return GlobalTensor(t.shape, t.dtype, [Piece(tuple(offsets), local)], rg, replicated, frozen)
-    # Interleaved global offset `off` of a local block [c_0 | c_1 | ...] along `dim` maps to
-    # canonical offset c * (G / k) + off / k for its c-th piece.
+    # DTensor's (interleaved) global layout along `dim`: each TP rank's block [c_0 | c_1 | ...] of its slice
+    # of every chunk. This rank holds rows [lo, lo + n) of it -- a whole TP block, or with FSDP over DP on
+    # top (2-D) part of one -- whose rows x of chunk c sit at canonical c * (G / k) + t * (block) + ... .
     k, dim = fused.num_chunks, fused.dim
     total = t.shape[dim]
+    tp = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
+                   if type(p) is Shard and p.dim == dim)  # not FSDP's _StridedShard: the TP split itself
+    span = total // tp
+    block = span // k
+    tp_rank, start = divmod(offsets[dim], span)
     pieces = []
-    for c, piece in enumerate(local.chunk(k, dim=dim)):
+    x, stop = start, start + local.shape[dim]
+    while x < stop:
+        c = x // block
+        end = min(stop, (c + 1) * block)
         off = list(offsets)
-        off[dim] = c * (total // k) + offsets[dim] // k
-        pieces.append(Piece(tuple(off), piece))
+        off[dim] = c * (total // k) + tp_rank * block + (x - c * block)
+        pieces.append(Piece(tuple(off), local.narrow(dim, x - start, end - x)))
+        x = end
     return GlobalTensor(t.shape, t.dtype, pieces, rg, replicated=False, frozen=frozen)

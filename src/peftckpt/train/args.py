@@ -227,11 +227,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if dims.vpp > 1 and num_micro % max(1, num_micro // pp):
         raise ArgumentError(f"interleaved pipeline: {num_micro} micro-batches per step must be a multiple of "
                             f"{max(1, num_micro // pp)} (micro-batches // --pipeline-model-parallel-size)")
-    if args.use_distributed_optimizer and tp > 1:
-        raise ArgumentError(
-            "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported yet; "
-            "use --tensor-model-parallel-size 1 or drop --use-distributed-optimizer"
-        )
     if args.fp16:
         raise ArgumentError("--fp16 is not supported (it would need loss scaling); use --bf16, which stores the "
                             "frozen base in bf16 and keeps the trainable parameters in fp32")
