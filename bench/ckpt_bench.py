@@ -40,7 +40,6 @@ from _report import report
 from _timing import RAW_BLOCK_BYTES, Ctx, Stat, dir_bytes, evict, machine_info, raw_read, raw_write, rmtree
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.state.sections import ensure_optimizer_state
-from peftckpt.checkpoint.state.trainable import TORCH_DIST
 from peftckpt.checkpoint.storage.checksums import checksum_files
 from peftckpt.checkpoint.storage.formats import no_zip_crc32
 from peftckpt.checkpoint.storage.planners import EntrySavePlanner
@@ -238,7 +237,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
 
     def bare_save(trainable_only: bool) -> Step:
         def save(d: Path) -> None:
-            flat, _, _ = ck._state(trainable_only, TORCH_DIST, True, OBJECTS, True)
+            flat, _, _ = ck._state(trainable_only, True, OBJECTS, True)
             with no_zip_crc32():  # framed as our blocking save frames it
                 dcp.save(flat, storage_writer=FileSystemWriter(d, sync_files=True, thread_count=1),
                          planner=EntrySavePlanner())

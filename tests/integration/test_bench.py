@@ -76,7 +76,8 @@ def _check(r: dict[str, Any], repeats: int, layout: dict[str, int], hf: bool = T
         _stat_ok(r["async"][kind]["until_committed"], repeats)
     _stat_ok(r["fingerprint"], repeats)
     assert r["layout"] == layout
-    assert r["numel"]["trainable"] > 0 and r["numel"]["frozen"] > 10 * r["numel"]["trainable"]
+    # a LoRA-shaped model: the frozen base dominates (summed over ranks; the TP-split vocabulary counts once)
+    assert r["numel"]["trainable"] > 0 and r["numel"]["frozen"] > 5 * r["numel"]["trainable"]
     # scaling: more layers, more adapter tensors; three stored tensors (weight + two Adam moments) each
     points = r["scaling"]["points"]
     assert [p["layers"] for p in points] == [1, 3]

@@ -98,6 +98,9 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 = no clipping")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels only (torch.use_deterministic_algorithms), so that a resumed run "
+                   "repeats an uninterrupted one bit for bit on GPUs too (CPU runs are deterministic anyway)")
     g.add_argument("--bf16", action="store_true",
                    help="store and compute the frozen base in bf16; trainable parameters (adapters, "
                    "--lora-train-params) and their Adam state stay fp32 (needs --lora-rank > 0)")

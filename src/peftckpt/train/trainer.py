@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -74,6 +75,9 @@ class Trainer:
             self.device = resolve_device(getattr(args, "device", "cpu"))
         except ValueError as e:
             raise ArgumentError(str(e)) from None
+        if getattr(args, "deterministic", False):
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
+            torch.use_deterministic_algorithms(True)
         # 1. layout
         self.dims: ParallelDims = parallel_dims(args, world_size)
         self.meshes = self.dims.build(self.device.type)
