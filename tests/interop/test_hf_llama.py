@@ -28,7 +28,8 @@ ATOL = 2e-5
 
 
 def _logits_tp2_pp2(rank: int, world: int, base: str, toks: torch.Tensor) -> torch.Tensor | None:
-    """Our model at TP=2 x PP=2 with the base loaded; the last stage's TP rank 0 returns the logits."""
+    """Our model at TP=2 x PP=2 with the base loaded (the vocabulary split over TP); the last stage's TP rank 0
+    returns the logits of the whole vocabulary."""
     dims = ParallelDims.from_world(world, tp=2, pp=2)
     meshes = dims.build("cpu")
     cfg = GPTConfig.from_dict(read_manifest(resolve_checkpoint_dir(base)[0]).model_config)
@@ -45,8 +46,10 @@ def _logits_tp2_pp2(rank: int, world: int, base: str, toks: torch.Tensor) -> tor
             return None
         hidden = torch.empty(*toks.shape, cfg.hidden_size)
         dist.recv(hidden, src=dist.get_global_rank(pp, 0))
-        logits = chunk(hidden)
-    return logits if meshes.tp_rank == 0 else None
+        logits = chunk(hidden)  # this TP rank's vocabulary columns
+        parts: list[torch.Tensor] = [torch.empty(0)] * 2
+        dist.all_gather_object(parts, logits, group=meshes.group("tp"))
+    return torch.cat(parts, dim=-1) if meshes.tp_rank == 0 else None
 
 
 def test_imported_base_computes_hf_logits_at_tp1(hf_dir: Path, base: Path) -> None:
