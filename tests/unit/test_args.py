@@ -77,9 +77,6 @@ def test_valid_layout_parses_and_fills_defaults() -> None:
         pytest.param(["--tensor-model-parallel-size", "2", "--vocab-size", "1"], 2,
                      "--vocab-size (1) is too small to split over --tensor-model-parallel-size (2): every rank "
                      "needs rows of the embedding table", id="vocab-too-small-for-tp"),
-        pytest.param(["--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], 4,
-                     "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported",
-                     id="distopt-with-tp"),
         pytest.param(["--data-path", "x.jsonl"], 1, "pass exactly one of --mock-data and --data-path",
                      id="both-data"),
         pytest.param(["--max-position-embeddings", "8"], 1,

@@ -31,17 +31,19 @@ def run_with_process_group(body: Callable[[], None], world_size: int, rank: int,
     and gives 2 (flags) or 1 (checkpoints); a run stopped by a signal prints where it can resume and gives
     its exit code (:mod:`~peftckpt.train.interrupts`)."""
     end_with_launcher()
+    device_error: ArgumentError | None = None
     try:
         backend = backend_for(resolve_device(device))
-    except ValueError as e:  # the same on every rank
-        if rank == 0:
-            print_error(f"peftckpt {prog}", ArgumentError(str(e)))
-        return 2
+    except ValueError as e:  # the same on every rank: said once, after a gloo group lets them leave together
+        device_error, backend = ArgumentError(str(e)), "gloo"
+        device_error.every_rank = True  # type: ignore[attr-defined]
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
     code = 1
     agreed = False  # every rank leaves at the same point: wait for the others before tearing down
     try:
+        if device_error is not None:
+            raise device_error
         body()
         code, agreed = 0, True
     except RunStopped as e:  # a signal, agreed by every rank
@@ -59,6 +61,9 @@ def run_with_process_group(body: Callable[[], None], world_size: int, rank: int,
         if rank == 0 or not (isinstance(e, ArgumentError) or getattr(e, "every_rank", False)):
             print_error(f"peftckpt {prog}", e)
         code = 2 if isinstance(e, ArgumentError) else 1
+        # Known to be raised by every rank (an agreed error): all can wait for rank 0 to have said it, so
+        # torchrun does not stop rank 0 mid-message when a peer exits first.
+        agreed = bool(getattr(e, "every_rank", False))
     finally:
         # Tear down while the interpreter is fully alive: drop every object that holds a process group
         # (pipeline stages, async-save group), wait for the peers, then destroy. Gloo groups destroyed
