@@ -237,7 +237,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
 
     def bare_save(trainable_only: bool) -> Step:
         def save(d: Path) -> None:
-            flat, _, _ = ck._state(trainable_only, True, OBJECTS, True)
+            flat = ck._build(trainable_only, True, OBJECTS, True).entries
             with no_zip_crc32():  # framed as our blocking save frames it
                 dcp.save(flat, storage_writer=FileSystemWriter(d, sync_files=True, thread_count=1),
                          planner=EntrySavePlanner())

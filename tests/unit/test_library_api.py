@@ -26,6 +26,7 @@ from peftckpt import (
     SaveOptions,
 )
 from peftckpt.checkpoint import api
+from peftckpt.checkpoint.state import builder
 from peftckpt.checkpoint.storage import formats
 from peftckpt.checkpoint.storage.storage_layout import LOCK_FILENAME, read_tracker
 from peftckpt.sharding.entries import GlobalTensor
@@ -137,7 +138,7 @@ def test_a_trainable_only_checkpoint_without_buffers_still_loads(tmp_path: Path,
     model, opt, sched = _setup(0)
     _train(model, opt, sched, 2, seed=1)
     with monkeypatch.context() as m:
-        m.setattr(api, "filter_trainable", old_filter)
+        m.setattr(builder, "filter_trainable", old_filter)
         m.setattr(api.Checkpointer, "fingerprint", lambda self, keys=None, version=3: "v3:sha256:" + "0" * 64)
         Checkpointer(model, opt).save(tmp_path, 2, options=SaveOptions(trainable_only=True))
     excluded = json.loads((tmp_path / "iter_0000002" / "metadata.json").read_text())["excluded_keys"]

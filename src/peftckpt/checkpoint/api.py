@@ -49,10 +49,9 @@ from .errors import (
 )
 from .options import LoadOptions, LoadResult, SaveOptions
 from .parallel_layout import parallel_layout
+from .state.builder import RankState, build_state
 from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
 from .state.sections import (
-    CHECKPOINT_VERSION,
-    CHECKPOINT_VERSION_VALUE,
     MODEL,
     OPTIMIZER,
     PARAM_GROUPS,
@@ -63,13 +62,10 @@ from .state.sections import (
     merge_param_groups,
     model_entries,
     model_section_names,
-    optimizer_entries,
     restore_rng,
-    rng_entry,
     state_key,
-    tensor_records,
 )
-from .state.trainable import TORCH_DIST, filter_trainable
+from .state.trainable import TORCH_DIST
 from .storage.checksums import (
     files_share,
     is_data_file,
@@ -186,28 +182,12 @@ class Checkpointer:
             self._fingerprints[version] = value
         return value
 
-    def _state(self, trainable_only: bool, with_optim: bool,
-               objects: Mapping[str, Any], with_rng: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """The flat ``{storage key: entry}`` of this rank, plus records of kept and excluded model tensors."""
-        flat: dict[str, Any] = {}
-        excluded: dict[str, Any] = {}
-        for section, entries in self.model_sections().items():
-            if trainable_only:
-                entries, frozen = filter_trainable(entries)
-                excluded.update(tensor_records({dcp_key(section, k): v for k, v in frozen.items()}))
-            for k, v in entries.items():
-                flat[dcp_key(section, k)] = v
-        kept = tensor_records({k: v for k, v in flat.items() if k.startswith(MODEL + ".")})
-        if with_optim and self.optimizer is not None:
-            for k, v in optimizer_entries(self.optimizer, self.chunks).items():
-                # Each rank's groups name only its own parameters: keep every rank's copy.
-                flat[dcp_key(OPTIMIZER, f"{k}.{self.rank}" if k == PARAM_GROUPS else k)] = v
-        for name, value in objects.items():
-            flat[name] = value
-        flat[CHECKPOINT_VERSION] = CHECKPOINT_VERSION_VALUE
-        if with_rng:
-            flat[f"{RNG_STATE}.{self.rank}"] = rng_entry()
-        return flat, kept, excluded
+    def _build(self, trainable_only: bool, with_optim: bool, objects: Mapping[str, Any] | None = None,
+               with_rng: bool = False) -> RankState:
+        """This rank's state (:func:`~peftckpt.checkpoint.state.builder.build_state`): what a save writes, and
+        (its tensors) what a load of the same kind requests."""
+        return build_state(self.model_sections(), self.optimizer, self.chunks, self.rank,
+                           trainable_only=trainable_only, with_optim=with_optim, objects=objects, with_rng=with_rng)
 
     # -------------------------------------------------------------------------------------- save
     def save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
@@ -277,7 +257,8 @@ class Checkpointer:
         objects = {**objects, **{state_key(name, self.rank): obj.state_dict() for name, obj in self.states.items()}}
         error: BaseException | None = None
         try:
-            flat, kept, excluded = self._state(options.trainable_only, options.save_optim, objects, options.save_rng)
+            state = self._build(options.trainable_only, options.save_optim, objects, options.save_rng)
+            flat, kept, excluded = state.entries, state.kept, state.excluded
             fingerprint = self.fingerprint() if options.trainable_only else None
         except CheckpointError as e:
             error = e
@@ -443,20 +424,6 @@ class Checkpointer:
         if error is not None:
             raise error
 
-    def _request(self, trainable_only: bool, with_optim: bool) -> dict[str, Any]:
-        flat: dict[str, Any] = {}
-        for section, entries in self.model_sections().items():
-            if trainable_only:
-                entries, _ = filter_trainable(entries)
-            for k, v in entries.items():
-                if isinstance(v, GlobalTensor):
-                    flat[dcp_key(section, k)] = v
-        if with_optim and self.optimizer is not None:
-            for k, v in optimizer_entries(self.optimizer, self.chunks).items():
-                if isinstance(v, GlobalTensor):
-                    flat[dcp_key(OPTIMIZER, k)] = v
-        return flat
-
     def load(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
              model_only: bool = False) -> LoadResult:
         """Load a committed checkpoint into the chunks (and optimizer); returns iteration, objects, report.
@@ -526,7 +493,7 @@ class Checkpointer:
             if self.rank == 0:
                 warnings.warn(f"checkpoint {ckpt} was saved without optimizer state (--no-save-optim or an "
                               "import): the optimizer starts fresh", stacklevel=3)
-        request = self._request(manifest.trainable_only, with_optim)
+        request = self._build(manifest.trainable_only, with_optim).tensors()
         if manifest.trainable_only:  # buffers, which trainable-only saves of earlier releases left out
             for k in set(manifest.excluded_keys) & set(request):
                 if not request[k].requires_grad:
@@ -659,7 +626,7 @@ class Checkpointer:
         shape) is an error naming ``source``; trainable ones it lacks (adapters) keep their values. Returns
         the keys that were not in the source."""
         self.wait()
-        request = self._request(False, False)
+        request = self._build(False, False).tensors()
         absent = sorted(k for k in request if k not in shapes)
         wrong = [f"  {k}: {source} {list(shapes[k])}, model {list(v.global_shape)}" for k, v in sorted(request.items())
                  if k in shapes and list(shapes[k]) != list(v.global_shape)]
@@ -721,7 +688,7 @@ class Checkpointer:
         if not fmt.reshards:
             raise CheckpointFormatError(f"--pretrained-checkpoint {ckpt} must be torch_dist, got {manifest.format!r}")
         stored = self._open(fmt, ckpt, manifest)
-        request = self._request(False, False)
+        request = self._build(False, False).tensors()
         self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
         absent = [k for k in request if k not in stored.tensor_shapes]
         frozen_absent = [k for k in absent if not request[k].requires_grad]
