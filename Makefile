@@ -22,7 +22,7 @@ demo: venv
 	$(BIN)/python scripts/demo.py
 
 test: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n 2
 
 bench: venv
 	$(BIN)/python bench/ckpt_bench.py

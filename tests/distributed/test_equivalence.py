@@ -74,6 +74,8 @@ CASES = [
     # tied embeddings across stages: the first and the last stage sum their gradients; trained whole (no LoRA)
     ("tp2pp2-tied", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
      ["--no-untie-embeddings-and-output-weights"], False),
+    ("pp2dp2-tied-distopt", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],
+     ["--no-untie-embeddings-and-output-weights"], False),
     # dropout masks: the row-parallel adapters' inputs are sharded, and each TP rank masks its slice of the
     # one mask a single process draws, so even with dropout on TP=2 computes what one process does
     ("tp2-lora-dropout", 2, ["--tensor-model-parallel-size", "2"],
