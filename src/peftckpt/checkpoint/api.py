@@ -245,18 +245,18 @@ class Checkpointer:
         clash = sorted(set(objects) & set(self.states))
         if clash:
             raise ValueError(f"objects {clash} have the names of the checkpointer's states")
-        if self.states and not fmt.holds_states:
-            raise CheckpointFormatError(f"the checkpointer's states ({', '.join(self.states)}) need "
-                                        f"ckpt_format {TORCH_DIST!r}, not {options.ckpt_format!r}")
-        if options.trainable_only and not fmt.holds_trainable_only:  # the effective format may change after parsing
-            raise CheckpointFormatError(
-                f"--save-trainable-params-only needs --ckpt-format torch_dist, but this save would use "
-                f"{fmt.name!r} (legacy torch checkpoints lose requires_grad, so every tensor would be "
-                "dropped); nothing was written")
         object_names = list(objects) + [f"{STATES}.{name}" for name in self.states]
         objects = {**objects, **{state_key(name, self.rank): obj.state_dict() for name, obj in self.states.items()}}
         error: BaseException | None = None
         try:
+            if self.states and not fmt.holds_states:
+                raise CheckpointFormatError(f"the checkpointer's states ({', '.join(self.states)}) need "
+                                            f"ckpt_format {TORCH_DIST!r}, not {options.ckpt_format!r}")
+            if options.trainable_only and not fmt.holds_trainable_only:  # the format may change after parsing
+                raise CheckpointFormatError(
+                    f"--save-trainable-params-only needs --ckpt-format torch_dist, but this save would use "
+                    f"{fmt.name!r} (legacy torch checkpoints lose requires_grad, so every tensor would be "
+                    "dropped); nothing was written")
             state = self._build(options.trainable_only, options.save_optim, objects, options.save_rng)
             flat, kept, excluded = state.entries, state.kept, state.excluded
             fingerprint = self.fingerprint() if options.trainable_only else None
