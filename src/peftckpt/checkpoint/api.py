@@ -74,6 +74,7 @@ from .storage.checksums import (
 )
 from .storage.formats import StorageFormat, StoredCheckpoint, WriteJob, storage_format
 from .storage.manifest import Manifest, read_manifest
+from .storage.paths import url_problem
 from .storage.save_lock import SaveDirLock, acquire_save_lock
 from .storage.storage_layout import (
     clean_stale_staging,
@@ -209,6 +210,9 @@ class Checkpointer:
                which never deletes the checkpoint just committed.
         """
         options = options or SaveOptions()
+        problem = url_problem(save_dir)
+        if problem is not None:  # it would become a local directory "s3:"
+            raise CheckpointFormatError(f"save directory {save_dir} {problem}; nothing was written")
         save = Path(save_dir).absolute()
         self.wait()  # at most one save in flight; an earlier async failure surfaces here
         # 1.

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.storage.paths import url_problem
 from .parsing import HelpFormatter, parse_or_exit_code
 
 __all__ = ["verify_main"]
@@ -31,6 +32,10 @@ def verify_main(argv: list[str] | None = None) -> int:
     args = parse_or_exit_code(_build_parser(), argv)
     if isinstance(args, int):
         return args
+    problem = url_problem(args.dir)
+    if problem is not None:
+        print(f"peftckpt verify: error: DIR {args.dir} {problem}", file=sys.stderr)
+        return 2
     target = Path(args.dir)
     if not target.exists():
         print(f"peftckpt verify: error: DIR {target} does not exist", file=sys.stderr)

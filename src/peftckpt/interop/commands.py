@@ -22,6 +22,7 @@ from ..checkpoint.api import Checkpointer, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
 from ..checkpoint.state.fingerprint import fingerprint_version
 from ..checkpoint.storage.manifest import read_manifest
+from ..checkpoint.storage.paths import url_problem
 from ..checkpoint.storage.storage_layout import resolve_checkpoint_dir
 from ..checkpoint.tools.offline import OfflineCheckpoint, lazy_entries, lazy_fingerprint, open_checkpoint
 from ..model.config import GPTConfig, LoRAConfig
@@ -39,6 +40,9 @@ _COORDS = {"tp": 0, "pp": 0, "dp": 0}
 
 
 def _fresh_output(path: str | os.PathLike[str], flag: str) -> Path:
+    problem = url_problem(path)
+    if problem is not None:
+        raise InteropError(f"{flag} {path} {problem}; nothing was written")
     out = Path(path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InteropError(f"{flag} {out} already exists and is not an empty directory; nothing was written")

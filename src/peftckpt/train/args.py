@@ -24,7 +24,7 @@ from ..model.config import (
     check_vocab_split,
 )
 from ..parallel.device import DEVICES
-from .checkpoint_flags import add_checkpoint_args, validate_checkpoint_args
+from .checkpoint_flags import add_checkpoint_args, refuse_urls, validate_checkpoint_args
 from .errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -328,6 +328,7 @@ def parse_train_args(argv: Sequence[str] | None, world_size: int,
     flags that work but likely not as meant (printed at start by rank 0)."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
+    refuse_urls(args)
     args.checkpoint_defaults = apply_checkpoint_defaults(args, _given(parser, argv))
     if args.save_trainable_params_only and args.lora_rank == 0:
         args.checkpoint_defaults.append("--save-trainable-params-only without LoRA (--lora-rank 0): every parameter "

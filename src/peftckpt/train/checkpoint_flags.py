@@ -11,6 +11,7 @@ from pathlib import Path
 from ..checkpoint.checks.strictness import StrictHandling
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.storage.manifest import TORCH, TORCH_DIST
+from ..checkpoint.storage.paths import url_problem
 from ..checkpoint.storage.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
 from .errors import ArgumentError
 
@@ -55,6 +56,19 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM (what SLURM and Kubernetes send before preemption), finish the iteration, save "
                    "a checkpoint, wait for its commit and exit 0; without it SIGTERM stops like Ctrl-C: at the "
                    "next iteration boundary, without a new save, exit 143")
+
+
+PATH_FLAGS = ("save", "load", "pretrained_checkpoint", "ckpt_convert_save")
+
+
+def refuse_urls(args: argparse.Namespace) -> None:
+    """A checkpoint path flag given a URL (``s3://...``) is refused before anything reads or writes it (it would
+    otherwise name a local directory ``s3:``)."""
+    for dest in PATH_FLAGS:
+        value = getattr(args, dest, None)
+        problem = url_problem(value) if value else None
+        if problem is not None:
+            raise ArgumentError(f"--{dest.replace('_', '-')} {value} {problem}")
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:

@@ -105,7 +105,8 @@ class Trainer:
         # Tied embeddings with PP > 1: the first and the last stage each hold the table; their gradients are
         # summed over the two, and the last stage's copy is left out of the gradient norm (counted once).
         self.shared = [p for c in self.chunks if (p := c.shared_embedding()) is not None and p.requires_grad]
-        self.embedding_group = self.meshes.embedding_group()
+        tied = not self.config.untie_embeddings_and_output_weights
+        self.embedding_group = self.meshes.embedding_group() if tied else None  # the same choice on every rank
         self.norm_skips = [p for c in self.chunks if not c.pre_process and (p := c.shared_embedding()) is not None]
         # 3. optimizer + schedule
         self.optimizer = build_optimizer(self.named_trainable, args)

@@ -10,10 +10,23 @@ the opened descriptor, so what is checked is what is read.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
-__all__ = ["relpath_problem", "file_problem", "recorded_file_problem", "read_regular_file"]
+__all__ = ["url_problem", "relpath_problem", "file_problem", "recorded_file_problem", "read_regular_file"]
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def url_problem(value: str | os.PathLike[str]) -> str | None:
+    """Why ``value`` (a checkpoint path given by a user) cannot be used, or ``None``: a URL such as
+    ``s3://bucket/prefix`` would otherwise become a local directory named ``s3:`` -- a checkpoint the user
+    believes is in object storage, left on a node's disk."""
+    if not isinstance(value, str) or not _URL.match(value):
+        return None
+    return ("is a URL: checkpoints on object storage are not supported yet; give a local or mounted file system "
+            "path (e.g. an s3fs or mountpoint-s3 mount)")
 
 
 def relpath_problem(rel: object) -> str | None:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError
-from peftckpt.checkpoint.storage.paths import read_regular_file
+from peftckpt.checkpoint.storage.paths import read_regular_file, url_problem
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -422,6 +422,9 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str]) -> tuple[Path, int]:
         CheckpointFormatError: ``path`` exists but is neither a checkpoint nor a save directory, or its
             tracker is garbled.
     """
+    problem = url_problem(path)
+    if problem is not None:
+        raise CheckpointNotFoundError(f"checkpoint path {path} {problem}")
     target = Path(path)
     if not target.exists():
         raise CheckpointNotFoundError(f"checkpoint path {target} does not exist")

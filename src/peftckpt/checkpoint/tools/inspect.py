@@ -51,6 +51,7 @@ from peftckpt.checkpoint.storage.checksums import verify_files
 from peftckpt.checkpoint.storage.formats import storage_format
 from peftckpt.checkpoint.storage.legacy import FILENAME as LEGACY_FILENAME
 from peftckpt.checkpoint.storage.manifest import Manifest, read_manifest
+from peftckpt.checkpoint.storage.paths import url_problem
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.storage.storage_layout import (
     LOCK_FILENAME,
@@ -659,6 +660,9 @@ def inspect_path(path: str | os.PathLike[str], *, verify_checksums: bool = True)
             directory that is neither a checkpoint nor a save directory. Every problem of the checkpoint
             itself is reported in the result, not raised.
     """
+    problem = url_problem(path)
+    if problem is not None:
+        raise CheckpointNotFoundError(f"DIR {path} {problem}")
     target = Path(path).absolute()
     if _classify(target) == "save_dir":  # 1.
         return _inspect_save_dir(target, verify_checksums)  # 2.
