@@ -135,6 +135,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         losses = train(str(Path(a.workdir) / "ckpt"), a.steps, a.save_every)
+        dist.barrier()  # leave together: gloo can abort a process whose peer is still connected
     finally:
         dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:

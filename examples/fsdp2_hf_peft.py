@@ -99,11 +99,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         losses = train(str(Path(a.workdir) / "ckpt"), a.steps, a.save_every)
-        if dist.get_rank() == 0:
-            print("losses:", " ".join(f"{x:.4f}" for x in losses))
-            print("exported:", export_peft(str(Path(a.workdir) / "ckpt"), str(Path(a.workdir) / "peft")))
+        dist.barrier()  # leave together: gloo can abort a process whose peer is still connected
     finally:
         dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:  # the export is offline: no process group needed
+        print("losses:", " ".join(f"{x:.4f}" for x in losses))
+        print("exported:", export_peft(str(Path(a.workdir) / "ckpt"), str(Path(a.workdir) / "peft")))
 
 
 if __name__ == "__main__":
