@@ -69,9 +69,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, mine, index = ctx.saved_tensors
-        grad = softmax  # d(loss)/d(logits) = softmax - one_hot(target), this rank's columns
-        grad.scatter_add_(-1, index, -mine.to(grad.dtype).unsqueeze(-1))
-        return (grad * grads[0].unsqueeze(-1)).to(ctx.dtype), None, None, None
+        # d(loss)/d(logits) = softmax - one_hot(target) on this rank's columns (out of place: the saved softmax
+        # stays valid for a second backward)
+        grad = softmax.scatter_add(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
+        return grad.mul_(grads[0].unsqueeze(-1)).to(ctx.dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel,
