@@ -49,6 +49,7 @@ def test_the_library_refuses_a_url_too(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.chdir(tmp_path)
     ckpt = Checkpointer(torch.nn.Linear(2, 2))
     for call in (lambda: ckpt.save("s3://bucket/run", 1), lambda: ckpt.async_save("s3://bucket/run", 1),
+                 lambda: ckpt.lock("s3://bucket/run"),
                  lambda: ckpt.load("s3://bucket/run"), lambda: ckpt.load_pretrained("s3://bucket/base")):
         with pytest.raises(CheckpointError, match=REFUSAL):
             call()

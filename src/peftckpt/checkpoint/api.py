@@ -108,6 +108,14 @@ class _WantedObjects:
     """The checkpointer's states: name -> storage key."""
 
 
+def _save_dir(save_dir: str | os.PathLike[str]) -> Path:
+    """``save_dir`` as an absolute path; a URL is refused (it would become a local directory ``s3:``)."""
+    problem = url_problem(save_dir)
+    if problem is not None:
+        raise CheckpointFormatError(f"save directory {save_dir} {problem}; nothing was written")
+    return Path(save_dir).absolute()
+
+
 class Checkpointer:
     """Checkpoints of this rank's model ``chunks`` (one module, or one per virtual pipeline stage), its
     ``optimizer`` and any ``states`` (objects with ``state_dict``/``load_state_dict``: an LR scheduler, a
@@ -210,10 +218,7 @@ class Checkpointer:
                which never deletes the checkpoint just committed.
         """
         options = options or SaveOptions()
-        problem = url_problem(save_dir)
-        if problem is not None:  # it would become a local directory "s3:"
-            raise CheckpointFormatError(f"save directory {save_dir} {problem}; nothing was written")
-        save = Path(save_dir).absolute()
+        save = _save_dir(save_dir)
         self.wait()  # at most one save in flight; an earlier async failure surfaces here
         # 1.
         fmt = storage_format(options.ckpt_format, "SaveOptions.ckpt_format")
@@ -374,7 +379,7 @@ class Checkpointer:
         Raises:
             SaveDirInUseError: another live process holds it.
             OSError: the directory cannot be created or written."""
-        save = Path(save_dir).absolute()
+        save = _save_dir(save_dir)
         if self.rank == 0 and save not in self._locks:
             self._locks[save] = acquire_save_lock(save)
 

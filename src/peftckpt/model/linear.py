@@ -119,9 +119,8 @@ class ParallelLinear(nn.Module):
         self.lora_B = None
         self.lora_scaling = 0.0
         self.lora_dropout: nn.Module = nn.Identity()
-        """Dropout of the adapter input where it is the same on every TP rank (column-parallel layers)."""
-        self.lora_dropout_p = 0.0
-        """Its probability, for an input sharded over TP (row-parallel layers: :func:`sharded_dropout`)."""
+        """Dropout of the adapter input (an input sharded over TP -- row-parallel layers -- takes its probability
+        to :func:`sharded_dropout`)."""
         self.merged = False
 
     # Column and row layers differ only in which adapter matrix is sharded.
@@ -171,7 +170,6 @@ class ParallelLinear(nn.Module):
             self.part_adapters = [p for p in self.parts if p in (*self.part_adapters, part)]
         self.lora_scaling = alpha / rank
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.lora_dropout_p = dropout
 
     def adapter_pairs(self) -> list[tuple[str | None, nn.Parameter, nn.Parameter]]:
         """``(part or None, A, B)`` of every adapter of this layer."""
@@ -276,7 +274,7 @@ class RowParallelLinear(ParallelLinear):
         if self._adapter_active():
             assert self.lora_A is not None and self.lora_B is not None
             a = local_tensor(self.lora_A)
-            x_a = sharded_dropout(x.to(a.dtype), self.lora_dropout_p, self.tp, self.training)
+            x_a = sharded_dropout(x.to(a.dtype), getattr(self.lora_dropout, "p", 0.0), self.tp, self.training)
             h = reduce_from_tp(F.linear(x_a, a), self.tp)
             y = y + (self.lora_scaling * F.linear(h, local_tensor(self.lora_B))).to(y.dtype)
         return y
