@@ -39,15 +39,14 @@ def _usage() -> str:
 
 def _train(argv: Sequence[str]) -> int:
     from ..train.args import ArgumentError, parse_train_args
-    from .parsing import print_error
+    from .parsing import say_once
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
         args = parse_train_args(list(argv), world_size)
     except ArgumentError as e:
-        if rank == 0:
-            print_error("peftckpt train", e)
+        say_once("peftckpt train", e, rank, world_size)
         return 2
     from ..train.run import exit_multi_rank, run_training
 

@@ -6,6 +6,7 @@ import argparse
 import copy
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 
@@ -47,6 +48,19 @@ class HelpFormatter(argparse.HelpFormatter):
         else:
             said = str(action.default)
         return f"{text.strip()} (default: {said})".lstrip()
+
+
+def say_once(prog: str, exc: BaseException, rank: int, world_size: int) -> None:
+    """A usage error every rank found while parsing (no process group yet): rank 0 says it; the others wait a
+    moment before they exit, since torchrun stops every worker as soon as one exits with an error -- rank 0
+    included, possibly before its message is out."""
+    if rank == 0:
+        print_error(prog, exc)
+    elif world_size > 1:
+        time.sleep(_PEER_EXIT_DELAY_S)
+
+
+_PEER_EXIT_DELAY_S = 5.0
 
 
 def parse_or_exit_code(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace | int:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.checks.strictness import StrictHandling
-from ..cli.parsing import print_error
+from ..cli.parsing import say_once
 from .args import ArgumentError, build_parser, parse_train_args
 
 __all__ = ["evaluate", "eval_main"]
@@ -73,8 +73,7 @@ def eval_main(argv: Sequence[str]) -> int:
         if not (args.pretrained_checkpoint or args.load):
             raise ArgumentError("peftckpt eval needs --pretrained-checkpoint and/or --load (a model to evaluate)")
     except ArgumentError as e:
-        if rank == 0:
-            print_error("peftckpt eval", e)
+        say_once("peftckpt eval", e, rank, world_size)
         return 2
     def body() -> None:
         report = evaluate(args, world_size, rank)
