@@ -9,6 +9,7 @@ pipeline chunks; it knows nothing about the trainer. The steps it orchestrates l
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import threading
@@ -37,7 +38,7 @@ from .checks.load_checks import (
 )
 from .checks.strictness import KeyReport, check_keys
 from .collectives import Collectives
-from .commit import PendingCommit, commit_checkpoint
+from .commit import PendingCommit, commit_checkpoint, upload_after_write
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -49,6 +50,7 @@ from .errors import (
 )
 from .options import LoadOptions, LoadResult, SaveOptions
 from .parallel_layout import parallel_layout
+from .remote import fetched, spool_dir
 from .state.builder import RankState, build_state
 from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, fingerprint_version
 from .state.sections import (
@@ -66,6 +68,7 @@ from .state.sections import (
     state_key,
 )
 from .state.trainable import TORCH_DIST
+from .storage import remote_layout
 from .storage.checksums import (
     files_share,
     is_data_file,
@@ -74,7 +77,7 @@ from .storage.checksums import (
 )
 from .storage.formats import StorageFormat, StoredCheckpoint, WriteJob, storage_format
 from .storage.manifest import Manifest, read_manifest
-from .storage.paths import url_problem
+from .storage.object_store import ObjectStore, parse_location, store_error
 from .storage.save_lock import SaveDirLock, acquire_save_lock
 from .storage.storage_layout import (
     clean_stale_staging,
@@ -108,12 +111,18 @@ class _WantedObjects:
     """The checkpointer's states: name -> storage key."""
 
 
-def _save_dir(save_dir: str | os.PathLike[str]) -> Path:
-    """``save_dir`` as an absolute path; a URL is refused (it would become a local directory ``s3:``)."""
-    problem = url_problem(save_dir)
-    if problem is not None:
-        raise CheckpointFormatError(f"save directory {save_dir} {problem}; nothing was written")
-    return Path(save_dir).absolute()
+def _save_location(save_dir: str | os.PathLike[str]) -> tuple[Path, ObjectStore | None]:
+    """The local directory a save works in -- ``save_dir`` itself, or for an object-store URL its node-local
+    spool -- and the store. A URL of an unsupported scheme is refused before anything is written."""
+    try:
+        location = parse_location(save_dir, "save directory")
+    except CheckpointError as e:
+        refused = CheckpointFormatError(f"{e}; nothing was written")
+        refused.every_rank = True
+        raise refused from None
+    if isinstance(location, ObjectStore):
+        return spool_dir(location), location
+    return location.absolute(), None
 
 
 class Checkpointer:
@@ -200,8 +209,9 @@ class Checkpointer:
 
     # -------------------------------------------------------------------------------------- save
     def save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
-             options: SaveOptions | None = None, args: Mapping[str, Any] | None = None) -> Path:
-        """Write a committed checkpoint ``<save_dir>/iter_XXXXXXX`` and move the tracker to it.
+             options: SaveOptions | None = None, args: Mapping[str, Any] | None = None) -> Path | str:
+        """Write a committed checkpoint ``<save_dir>/iter_XXXXXXX`` and move the tracker to it; returns its path
+        (its URL when ``save_dir`` is on an object store, see :mod:`peftckpt.checkpoint.remote`).
 
         Steps:
             1. Build this rank's entries; with ``trainable_only`` filter the model sections (this refuses a
@@ -218,26 +228,28 @@ class Checkpointer:
                which never deletes the checkpoint just committed.
         """
         options = options or SaveOptions()
-        save = _save_dir(save_dir)
+        save, remote = _save_location(save_dir)
         self.wait()  # at most one save in flight; an earlier async failure surfaces here
         # 1.
         fmt = storage_format(options.ckpt_format, "SaveOptions.ckpt_format")
         commit, flat = self._save_entries(save, iteration, objects or {}, options, fmt)
         commit.args = dict(args or {})
+        commit.remote = remote
         # 2.
-        commit.staging = self._new_staging(save, iteration)
+        commit.staging, commit.target = self._new_staging(save, iteration, remote)
         # 3.
         release: threading.Event | None = None
         error: BaseException | None = None
         try:
+            after_write = None if remote is None else functools.partial(upload_after_write, commit, self.rank)
             release = fmt.write(WriteJob(flat, commit, self.rank, self.comm.group, self.chunks, self.optimizer,
-                                         self._host_buffers, self._async_group))
+                                         self._host_buffers, self._async_group, after_write))
             self._pending = commit if commit.future is not None else None
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = unwrap_dcp_error(e)
             self._pending = None
         try:
-            self.comm.agree(error, f"saving iteration {iteration} to {save} failed")
+            self.comm.agree(error, f"saving iteration {iteration} to {commit.where} failed")
         finally:
             if release is not None:
                 release.set()  # the background write may start
@@ -245,7 +257,7 @@ class Checkpointer:
         self._last = commit
         if self._pending is None:
             commit_checkpoint(self.comm, commit)
-        return save / iteration_dirname(iteration)
+        return save / iteration_dirname(iteration) if remote is None else commit.final
 
     def _save_entries(self, save: Path, iteration: int, objects: Mapping[str, Any], options: SaveOptions,
                       fmt: StorageFormat) -> tuple[PendingCommit, dict[str, Any]]:
@@ -298,23 +310,36 @@ class Checkpointer:
                                adapter_config=self.adapter_config)
         return commit, flat
 
-    def _new_staging(self, save: Path, iteration: int) -> Path:
-        """Save step 2 (collective): rank 0 locks ``save`` and clears stale staging; all ranks get one new
-        staging directory."""
-        staging_name: str | None = None
+    def _new_staging(self, save: Path, iteration: int, remote: ObjectStore | None) -> tuple[Path, str]:
+        """Save step 2 (collective): rank 0 locks ``save`` and clears stale staging (on an object store also
+        what earlier saves left uncommitted there); all ranks get one new staging directory, and on a store the
+        prefix they upload to."""
+        names: tuple[str, str] | None = None
         error: BaseException | None = None
         if self.rank == 0:
             try:
                 self.lock(save)  # no other live run saves here, so every staging directory left is stale
                 clean_stale_staging(save)
-                staging_name = str(new_staging_dir(save, iteration, secrets.token_hex(6)))
+                token = secrets.token_hex(6)
+                target = ""
+                if remote is not None:
+                    try:
+                        remote.check_reachable()
+                        remote_layout.clean_uncommitted(remote)
+                        target = remote_layout.commit_target(remote, iteration, token)
+                    except CheckpointError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - the store's failure, named once
+                        raise store_error(e, remote.url, "the save location") from None
+                names = (str(new_staging_dir(save, iteration, token)), target)
             except (CheckpointError, OSError) as e:
                 error = e
-        self.comm.agree(error, f"saving iteration {iteration} to {save} failed")
-        staging_name = self.comm.broadcast_from_first(staging_name)
-        assert staging_name is not None
+        where = save if remote is None else remote.url
+        self.comm.agree(error, f"saving iteration {iteration} to {where} failed")
+        names = self.comm.broadcast_from_first(names)
+        assert names is not None
         self.comm.barrier()
-        return Path(staging_name)
+        return Path(names[0]), names[1]
 
     # ------------------------------------------------------------------------------------- async
     def async_save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
@@ -379,7 +404,7 @@ class Checkpointer:
         Raises:
             SaveDirInUseError: another live process holds it.
             OSError: the directory cannot be created or written."""
-        save = _save_dir(save_dir)
+        save, _ = _save_location(save_dir)
         if self.rank == 0 and save not in self._locks:
             self._locks[save] = acquire_save_lock(save)
 
@@ -450,6 +475,29 @@ class Checkpointer:
         """
         options = options or LoadOptions()
         self.wait()  # an async save in flight is committed first: it may be the checkpoint asked for
+        with self._located(path, options) as (local, options, url):
+            result = self._load(local, options, model_only)
+        return result if url is None else replace(result, path=url)
+
+    @contextlib.contextmanager
+    def _located(self, path: str | os.PathLike[str], options: LoadOptions
+                 ) -> Iterator[tuple[str | os.PathLike[str], LoadOptions, str | None]]:
+        """``path`` to load from, with the options to load it with, and its URL on an object store (collective):
+        a checkpoint on a store is fetched to a node-local copy, every object verified as it downloads, so the
+        copy's checksums are not taken again (see :func:`~peftckpt.checkpoint.remote.fetched`)."""
+        try:
+            location = parse_location(path, "checkpoint")
+        except CheckpointError as e:
+            e.every_rank = True
+            raise
+        if not isinstance(location, ObjectStore):
+            yield path, options, None
+            return
+        with fetched(self.comm, location) as (local, url, _):
+            yield local, replace(options, verify_checksums=False), url
+
+    def _load(self, path: str | os.PathLike[str], options: LoadOptions, model_only: bool) -> LoadResult:
+        """:meth:`load` of a local checkpoint."""
         # 1.
         ckpt, iteration, manifest, verification = self._resolve(path, options)
         fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
@@ -687,6 +735,12 @@ class Checkpointer:
         """
         options = options or LoadOptions()
         self.wait()  # the in-flight async save may be writing the base from live memory
+        with self._located(path, options) as (local, options, url):
+            result = self._load_pretrained(local, options)
+        return result if url is None else replace(result, path=url)
+
+    def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions) -> LoadResult:
+        """:meth:`load_pretrained` of a local checkpoint."""
         ckpt, _, manifest, verification = self._resolve(path, options)
         if manifest.trainable_only:
             raise CheckpointFormatError(

@@ -8,7 +8,8 @@ applies retention. A failure says exactly what it left committed and where the t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shutil
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +19,15 @@ from .collectives import Collectives
 from .errors import CheckpointError, CheckpointIntegrityError
 from .faults import fault_point
 from .options import SaveOptions
+from .remote import upload_own_files
+from .storage import remote_layout
 from .storage.checksums import ChecksummingFileSystem, checksum_files
 from .storage.formats import storage_format
 from .storage.manifest import Manifest
+from .storage.object_store import ObjectStore, store_error
 from .storage.storage_layout import apply_retention, commit_staging, read_tracker
 
-__all__ = ["PendingCommit", "commit_checkpoint", "commit_outcome"]
+__all__ = ["PendingCommit", "commit_checkpoint", "commit_outcome", "own_files", "upload_after_write"]
 
 
 @dataclass
@@ -54,37 +58,72 @@ class PendingCommit:
     committed: bool = False
     error: BaseException | None = None
     """Why the save failed (an async save's handle raises it again)."""
+    remote: ObjectStore | None = None
+    """The object store the save goes to (``save`` and ``staging`` are then in the node-local spool)."""
+    target: str = ""
+    """On a store: where the ranks upload, ``iter_N`` or a re-save's staging prefix (see ``remote_layout``)."""
+    uploaded: dict[str, Any] | None = None
+    """On a store: this rank's uploaded files' records, once uploaded."""
+
+    @property
+    def where(self) -> str:
+        """The save location as the user named it (a URL on a store)."""
+        return str(self.save) if self.remote is None else self.remote.url
+
+    @property
+    def final(self) -> str:
+        """The committed checkpoint's path or URL."""
+        name = f"iter_{self.iteration:07d}"
+        return str(self.save / name) if self.remote is None else self.remote.url_of(name)
 
 
 def commit_outcome(c: PendingCommit, reached: Sequence[str]) -> str:
     """What a commit that failed after the steps in ``reached`` left committed (see ``commit_staging``)."""
-    final = c.save / f"iter_{c.iteration:07d}"
+    final = c.final
     if "tracker" in reached:
         return (f"iteration {c.iteration} was committed as {final} and the tracker names it; only deleting "
                 "older checkpoints (--keep-last-k) failed")
     if "renamed" in reached:
         try:
-            tracked = f"names iteration {read_tracker(c.save)}"
+            tracked = f"names iteration {read_tracker(c.save) if c.remote is None else remote_layout.read_tracker(c.remote)}"
         except CheckpointError as e:
             tracked = f"is unreadable ({e})"
         return (f"iteration {c.iteration} was committed as {final}, but the tracker was not moved to it: it "
                 f"still {tracked}; a load of {c.save} follows the tracker")
-    return ("nothing was committed (no iter_* directory was renamed): the previously committed checkpoint and "
+    return ("nothing was committed (no iter_* checkpoint has its manifest): the previously committed checkpoint and "
             "the tracker are unchanged")
 
 
+def own_files(c: PendingCommit, rank: int) -> tuple[list[Path], dict[str, Any]]:
+    """The files this rank wrote into staging and their records (digests taken while writing where there are)."""
+    written = storage_format(c.options.ckpt_format, "SaveOptions.ckpt_format").files_written_by(
+        c.staging, rank, c.coords, c.layout)
+    checksum = checksum_files if c.checksums is None else c.checksums.checksums
+    return written, checksum(written, c.staging)
+
+
+def upload_after_write(c: PendingCommit, rank: int) -> None:
+    """On a store: upload this rank's written files now (an async save's thread calls it once its write is done,
+    so the upload overlaps training too)."""
+    if c.remote is not None and c.uploaded is None:
+        upload_own_files(c, rank, *own_files(c, rank))
+
+
 def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
-    """Checksums, whole-checkpoint check, manifest, rename, tracker, retention (collective)."""
+    """Checksums (and on a store, the uploads), whole-checkpoint check, manifest, rename, tracker, retention
+    (collective)."""
     error: BaseException | None = None
     mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded)
     try:
-        written = storage_format(c.options.ckpt_format, "SaveOptions.ckpt_format").files_written_by(
-            c.staging, comm.rank, c.coords, c.layout)
-        checksum = checksum_files if c.checksums is None else c.checksums.checksums
-        mine = (checksum(written, c.staging), c.kept, c.excluded)
-    except OSError as e:  # e.g. the staging directory vanished: agreed below, never a hang in the gather
+        if c.remote is None:
+            mine = (own_files(c, comm.rank)[1], c.kept, c.excluded)
+        else:
+            upload_after_write(c, comm.rank)
+            assert c.uploaded is not None
+            mine = (c.uploaded, c.kept, c.excluded)
+    except (OSError, CheckpointError) as e:  # e.g. staging vanished: agreed below, never a hang in the gather
         error = e
-    comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed")
+    comm.agree(error, f"committing iteration {c.iteration} to {c.where} failed")
     records = comm.gather(mine)
     fault_point("before_manifest", comm.rank, c.iteration)
     reached: list[str] = []
@@ -97,15 +136,33 @@ def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
                 reached.append(step)
                 fault_point(steps[step], comm.rank, c.iteration)
 
-            final = commit_staging(c.staging, c.save, c.iteration, manifest.to_json(), on_step=on_step)
-            reached.append("tracker")
-            if c.options.keep_last_k:
-                apply_retention(c.save, c.options.keep_last_k, protect=[final])
+            if c.remote is None:
+                final = commit_staging(c.staging, c.save, c.iteration, manifest.to_json(), on_step=on_step)
+                reached.append("tracker")
+                if c.options.keep_last_k:
+                    apply_retention(c.save, c.options.keep_last_k, protect=[final])
+            else:
+                _commit_remote(c, c.remote, manifest, on_step)
+                reached.append("tracker")
     except BaseException as e:  # noqa: BLE001
         error = e
-    comm.agree(error, f"committing iteration {c.iteration} to {c.save} failed",
+    comm.agree(error, f"committing iteration {c.iteration} to {c.where} failed",
                outcome=None if error is None else commit_outcome(c, reached))
     c.committed = True
+
+
+def _commit_remote(c: PendingCommit, store: ObjectStore, manifest: Manifest, on_step: Callable[[str], None]
+                   ) -> None:
+    """Rank 0's part of a commit on a store: the manifest object, the tracker, retention, the empty spool."""
+    try:
+        remote_layout.commit(store, c.target, c.iteration, manifest.to_json(), on_step=on_step)
+        if c.options.keep_last_k:
+            remote_layout.apply_retention(store, c.options.keep_last_k, protect=[c.iteration])
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store's failure, named once
+        raise store_error(e, store.url, "the commit") from None
+    shutil.rmtree(c.staging, ignore_errors=True)
 
 
 def build_manifest(c: PendingCommit, records: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]
@@ -126,8 +183,18 @@ def build_manifest(c: PendingCommit, records: list[tuple[dict[str, Any], dict[st
     checksum = checksum_files if c.checksums is None else c.checksums.checksums
     others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix() not in files]
     files.update(checksum(others, c.staging))
+    stored: dict[str, int] | None = None
+    if c.remote is not None:  # rank 0's own other files (DCP's .metadata), then what the store holds
+        upload_own_files(c, 0, others, {}, keep=True)
+        try:
+            stored = c.remote.list_files(c.target)
+        except Exception as e:  # noqa: BLE001
+            raise store_error(e, c.remote.url_of(c.target), "the uploaded checkpoint") from None
     problems = storage_format(c.options.ckpt_format, "SaveOptions.ckpt_format").written_problems(
-        c.staging, files, saved_keys, held)
+        c.staging, files, saved_keys, held, stored)
+    if c.remote is not None and stored is not None:
+        problems += [f"{c.remote.url_of(f'{c.target}/{rel}')}: uploaded with {stored.get(rel, 'no')} bytes, "
+                     f"{rec['size']} were written" for rel, rec in sorted(files.items()) if stored.get(rel) != rec["size"]]
     if problems:
         raise CheckpointIntegrityError("the written checkpoint is not whole, so it is not committed:\n  "
                                        + "\n  ".join(problems))

@@ -6,8 +6,10 @@ Set ``PEFTCKPT_FAULT_INJECT`` to ``POINT:ACTION[:rank=R][:iteration=N]`` (severa
 point              when
 =================  ============================================================================
 ``data``           while the rank writes its shard files (after its first item is on its way)
-``before_manifest`` all data written and fsynced, manifest not yet written
-``before_rename``  manifest written into the staging directory, not yet renamed to ``iter_*``
+``upload``         object store only: while the rank uploads its files (after its first object)
+``before_manifest`` all data written and fsynced (on a store: uploaded), manifest not yet written
+``before_rename``  manifest written into the staging directory, not yet renamed to ``iter_*`` (on a store:
+                   the manifest object is written; a re-save's staged copy not yet promoted)
 ``before_tracker`` renamed (committed), tracker not yet moved
 =================  ============================================================================
 
@@ -24,7 +26,7 @@ import signal
 __all__ = ["FAULT_ENV", "fault_point"]
 
 FAULT_ENV = "PEFTCKPT_FAULT_INJECT"
-POINTS = ("data", "before_manifest", "before_rename", "before_tracker")
+POINTS = ("data", "upload", "before_manifest", "before_rename", "before_tracker")
 
 
 def fault_point(point: str, rank: int, iteration: int) -> None:

@@ -53,7 +53,8 @@ class LoadOptions:
 
 @dataclass
 class LoadResult:
-    path: Path
+    path: Path | str
+    """The checkpoint loaded: its directory, or its URL on an object store."""
     iteration: int
     manifest: Manifest
     objects: dict[str, Any] = field(default_factory=dict)

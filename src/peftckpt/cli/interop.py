@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.storage.object_store import url_problem as store_url_problem
 from ..checkpoint.storage.paths import url_problem
 from .parsing import HelpFormatter, print_error
 
@@ -37,8 +38,17 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str], action
 
 
 def local_path(value: str) -> str:
-    """An argparse ``type`` for a path argument: a URL (``s3://...``) is a usage error, not a directory ``s3:``."""
+    """An argparse ``type`` for a path that must be local: a URL (``s3://...``) is a usage error, not a directory
+    ``s3:``."""
     problem = url_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{value} {problem}")
+    return value
+
+
+def checkpoint_location(value: str) -> str:
+    """An argparse ``type`` for a checkpoint to read: a local path or a URL of a supported object store."""
+    problem = store_url_problem(value)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{value} {problem}")
     return value
@@ -49,7 +59,8 @@ def _parser(command: str, description: str, source: str, source_help: str | None
     """A tool's parser with its two positionals (what it reads, the new directory it writes) and, for tools
     that read a checkpoint, ``--no-verify-checksums``."""
     p = argparse.ArgumentParser(prog=f"peftckpt {command}", description=description, formatter_class=HelpFormatter)
-    p.add_argument(source.lower(), metavar=source, type=local_path, help=source_help)
+    p.add_argument(source.lower(), metavar=source, type=checkpoint_location if source == "CKPT" else local_path,
+                   help=source_help)
     p.add_argument("out", metavar="OUT", type=local_path, help="new directory (must not exist or be empty)")
     if checksums:
         p.add_argument("--no-verify-checksums", action="store_true", help="do not re-hash the checkpoint's files")
@@ -70,7 +81,7 @@ def import_peft_main(argv: Sequence[str]) -> int:
     p = _parser("import-peft", "Convert an HF PEFT LoRA adapter (targets among q/k/v/o/gate/up/down_proj) into an "
                 "adapter-only checkpoint (iteration 0, per-projection adapters) that `train --load` resumes from.",
                 "PEFT_DIR")
-    p.add_argument("--base", required=True, type=local_path, help="the base the adapter belongs to: an HF Llama directory or a full "
+    p.add_argument("--base", required=True, type=checkpoint_location, help="the base the adapter belongs to: an HF Llama directory or a full "
                    "checkpoint (see import-hf)")
     return _run("import-peft", p, argv, lambda a, ops: (
         f"imported {a.peft_dir} -> {ops.import_peft(a.peft_dir, a.out, a.base, not a.no_verify_checksums)}"))
@@ -79,7 +90,7 @@ def import_peft_main(argv: Sequence[str]) -> int:
 def export_peft_main(argv: Sequence[str]) -> int:
     p = _parser("export-peft", "Export the LoRA adapter of a checkpoint (saved at any layout) as an HF PEFT adapter "
                 "directory (adapter_model.safetensors + adapter_config.json) for peft.PeftModel.from_pretrained.",
-                "CKPT", "save directory or checkpoint directory")
+                "CKPT", "save directory or checkpoint directory (or its s3:// URL)")
     p.add_argument("--base-model-name-or-path", default=None, help="recorded in adapter_config.json (default: the "
                    "HF directory the base came from, when the checkpoint's records name one)")
     def action(a: argparse.Namespace, ops: Any) -> str:
@@ -94,8 +105,8 @@ def export_peft_main(argv: Sequence[str]) -> int:
 def export_hf_main(argv: Sequence[str]) -> int:
     p = _parser("export-hf", "Export a checkpoint as an HF Llama model directory, LoRA adapters merged into the "
                 "weights. An adapter-only checkpoint needs its base (--base, default: the --pretrained-checkpoint it "
-                "was trained on).", "CKPT", "save directory or checkpoint directory")
-    p.add_argument("--base", default=None, type=local_path, help="the base of an adapter-only CKPT: a full checkpoint or an HF "
+                "was trained on).", "CKPT", "save directory or checkpoint directory (or its s3:// URL)")
+    p.add_argument("--base", default=None, type=checkpoint_location, help="the base of an adapter-only CKPT: a full checkpoint or an HF "
                    "Llama directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--no-verify-base", action="store_true", help="merge even if the base fingerprint differs")

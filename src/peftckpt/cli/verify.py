@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.storage.paths import url_problem
+from ..checkpoint.storage.object_store import is_url, url_problem
 from .parsing import HelpFormatter, parse_or_exit_code
 
 __all__ = ["verify_main"]
@@ -36,8 +36,8 @@ def verify_main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"peftckpt verify: error: DIR {args.dir} {problem}", file=sys.stderr)
         return 2
-    target = Path(args.dir)
-    if not target.exists():
+    target: str | Path = args.dir if is_url(args.dir) else Path(args.dir)
+    if isinstance(target, Path) and not target.exists():
         print(f"peftckpt verify: error: DIR {target} does not exist", file=sys.stderr)
         return 2
     from ..checkpoint.tools.verify import (

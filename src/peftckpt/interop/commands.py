@@ -20,10 +20,10 @@ from torch import nn
 
 from ..checkpoint.api import Checkpointer, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
+from ..checkpoint.remote import manifest_at
 from ..checkpoint.state.fingerprint import fingerprint_version
-from ..checkpoint.storage.manifest import read_manifest
+from ..checkpoint.storage.object_store import is_url
 from ..checkpoint.storage.paths import url_problem
-from ..checkpoint.storage.storage_layout import resolve_checkpoint_dir
 from ..checkpoint.tools.offline import OfflineCheckpoint, lazy_entries, lazy_fingerprint, open_checkpoint
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
@@ -95,7 +95,7 @@ def import_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], dtype
         ckpt = Checkpointer([_StreamedChunk(entries)], None, layout=_SINGLE, coords=_COORDS,
                             model_config=hf.config.to_dict())
         try:
-            return ckpt.save(out_dir, 0, {}, SaveOptions(save_optim=False, save_rng=False), args=args)
+            return Path(ckpt.save(out_dir, 0, {}, SaveOptions(save_optim=False, save_rng=False), args=args))
         finally:
             ckpt.close()
 
@@ -147,8 +147,8 @@ def import_peft(peft_dir: str | os.PathLike[str], out: str | os.PathLike[str], b
         ckpt = Checkpointer([_StreamedChunk(entries)], None, layout=_SINGLE, coords=_COORDS,
                             model_config=cfg.to_dict(), adapter_config=lora.to_dict())
         try:
-            return ckpt.save(out_dir, 0, {}, SaveOptions(trainable_only=True, save_optim=False, save_rng=False),
-                             args=args)
+            return Path(ckpt.save(out_dir, 0, {}, SaveOptions(trainable_only=True, save_optim=False, save_rng=False),
+                             args=args))
         finally:
             ckpt.close()
 
@@ -201,7 +201,7 @@ def base_name_of(ckpt: OfflineCheckpoint) -> str | None:
     if is_hf_dir(pretrained):
         return str(Path(pretrained).absolute())
     try:
-        base_args = read_manifest(resolve_checkpoint_dir(pretrained)[0]).args
+        base_args = manifest_at(pretrained).args
     except (CheckpointError, OSError):
         return None
     hf_dir = base_args.get("hf_dir")
@@ -212,7 +212,7 @@ def _base_path(ckpt: OfflineCheckpoint, base: str | os.PathLike[str] | None) -> 
     if base is not None:
         return str(base)
     recorded = ckpt.manifest.args.get("pretrained_checkpoint") if ckpt.manifest.args else None
-    if not recorded or not Path(recorded).exists():
+    if not recorded or not (is_url(recorded) or Path(recorded).exists()):
         where = f" (it was trained on {recorded}, which is not there)" if recorded else ""
         raise InteropError(f"checkpoint {ckpt.path} is adapter-only: pass the base it was trained on with "
                            f"--base{where}")

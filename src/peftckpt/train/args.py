@@ -270,13 +270,12 @@ def _manifest_of(path: str | None) -> Manifest | None:
     if not path:
         return None
     from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.storage.manifest import read_manifest
-    from ..checkpoint.storage.storage_layout import resolve_checkpoint_dir
+    from ..checkpoint.remote import manifest_at
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return read_manifest(resolve_checkpoint_dir(path)[0])
+            return manifest_at(path)
     except CheckpointError:
         return None  # the load itself reports a missing or bad checkpoint, with its own flag semantics
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..checkpoint.checks.strictness import StrictHandling
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.storage.manifest import TORCH, TORCH_DIST
-from ..checkpoint.storage.paths import url_problem
+from ..checkpoint.storage.object_store import ObjectStore, is_url, parse_location, url_problem
 from ..checkpoint.storage.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
 from .errors import ArgumentError
 
@@ -21,12 +21,13 @@ __all__ = ["add_checkpoint_args", "validate_checkpoint_args", "check_checkpoint_
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """Checkpoint flags (Megatron-LM names)."""
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to, or an object-store URL "
+                   "(s3://bucket/prefix; credentials and endpoint from the AWS environment)")
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
-    g.add_argument("--load", default=None, help="resume from the newest committed checkpoint of this directory")
+    g.add_argument("--load", default=None, help="resume from the newest committed checkpoint of this directory (or s3:// URL)")
     g.add_argument("--pretrained-checkpoint", default=None,
-                   help="the base weights, loaded (model only) before --load: a full torch_dist checkpoint or an "
-                   "HF Llama directory (config.json + safetensors, read per rank without conversion)")
+                   help="the base weights, loaded (model only) before --load: a full torch_dist checkpoint (a "
+                   "directory or s3:// URL) or an HF Llama directory (config.json + safetensors, read per rank without conversion)")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights from --load and start at iteration 0")
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
@@ -62,13 +63,25 @@ PATH_FLAGS = ("save", "load", "pretrained_checkpoint", "ckpt_convert_save")
 
 
 def refuse_urls(args: argparse.Namespace) -> None:
-    """A checkpoint path flag given a URL (``s3://...``) is refused before anything reads or writes it (it would
-    otherwise name a local directory ``s3:``)."""
+    """A checkpoint path flag given a URL peftckpt cannot store on (an unknown scheme, a missing package, no
+    bucket) is refused before anything reads or writes it (it would otherwise name a local directory ``s3:``)."""
     for dest in PATH_FLAGS:
         value = getattr(args, dest, None)
         problem = url_problem(value) if value else None
         if problem is not None:
             raise ArgumentError(f"--{dest.replace('_', '-')} {value} {problem}")
+
+
+def _store_problem(flag: str, value: str) -> str | None:
+    """Why the object-store location ``value`` cannot be used (bucket, credentials, endpoint), or ``None``."""
+    location = parse_location(value, flag)
+    if not isinstance(location, ObjectStore):
+        return None
+    try:
+        location.check_reachable()
+    except CheckpointError as e:
+        return f"{flag} {e}"
+    return None
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
@@ -139,14 +152,20 @@ def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock |
         ArgumentError: a path flag that cannot work, naming the flag, the path and the rank(s).
         SaveDirInUseError: another live run holds the save directory.
     """
+    flags = {"--load": args.load, "--pretrained-checkpoint": args.pretrained_checkpoint, "--save": args.save,
+             "--ckpt-convert-save": args.ckpt_convert_save}
+    remote = {flag: v for flag, v in flags.items() if v and is_url(v)}
+    local = {flag: v for flag, v in flags.items() if v and flag not in remote}
     problems = [p for p in (
-        _read_dir_problem("--load", args.load, must_exist=False) if args.load else None,
-        _read_dir_problem("--pretrained-checkpoint", args.pretrained_checkpoint, must_exist=True)
-        if args.pretrained_checkpoint else None,
+        _read_dir_problem("--load", local["--load"], must_exist=False) if "--load" in local else None,
+        _read_dir_problem("--pretrained-checkpoint", local["--pretrained-checkpoint"], must_exist=True)
+        if "--pretrained-checkpoint" in local else None,
     ) if p is not None]
     if not problems:
-        problems = [p for flag, v in (("--save", args.save), ("--ckpt-convert-save", args.ckpt_convert_save))
-                    if v and (p := _save_dir_problem(flag, v)) is not None]
+        problems = [p for flag in ("--save", "--ckpt-convert-save")
+                    if flag in local and (p := _save_dir_problem(flag, local[flag])) is not None]
+    if not problems and rank == 0:  # one probe of each store location (nothing is written)
+        problems = [p for flag, v in remote.items() if (p := _store_problem(flag, v)) is not None]
     from ..checkpoint.collectives import Collectives  # torch: only once a run starts
 
     comm = Collectives()
@@ -160,8 +179,11 @@ def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock |
     error: tuple[bool, str] | None = None
     target = args.ckpt_convert_save if args.ckpt_convert_format else args.save
     if rank == 0 and target:
+        from ..checkpoint.remote import spool_dir
+
+        location = parse_location(target, "--save")
         try:
-            lock = acquire_save_lock(target)
+            lock = acquire_save_lock(spool_dir(location) if isinstance(location, ObjectStore) else location)
         except SaveDirInUseError as e:
             error = (True, str(e))
         except OSError as e:

@@ -15,8 +15,10 @@ from torch import nn
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from ..checkpoint.checks.strictness import StrictHandling
 from ..checkpoint.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
+from ..checkpoint.remote import join, tracker_at
 from ..checkpoint.state.sections import DATA, ITERATION, MODEL, OPT_PARAM_SCHEDULER
-from ..checkpoint.storage.storage_layout import iteration_dirname, read_tracker
+from ..checkpoint.storage.object_store import is_url
+from ..checkpoint.storage.storage_layout import iteration_dirname
 from ..model.config import GPTConfig, LoRAConfig
 from ..parallel.dims import ParallelDims, ParallelMeshes
 from .data import GlobalBatchSampler
@@ -112,7 +114,7 @@ class TrainerCheckpointing:
         except CheckpointNotFoundError as e:
             if a.exit_on_missing_checkpoint:
                 raise CheckpointError(f"--exit-on-missing-checkpoint: {e}") from None
-            said = "does not exist" if not Path(a.load).exists() else "holds no committed checkpoint"
+            said = "does not exist" if not (is_url(a.load) or Path(a.load).exists()) else "holds no committed checkpoint"
             t.logger.info(f"--load {a.load} {said}; starting from scratch (--exit-on-missing-checkpoint makes "
                           "this an error)")
             return
@@ -177,10 +179,10 @@ class TrainerCheckpointing:
         said = f"{'stopped by' if stop.save else 'interrupted by'} {stop.name} at iteration {t.iteration}"
         if not a.save:
             return f"{said}; nothing was saved (no --save)"
-        last = read_tracker(a.save)
+        last = tracker_at(a.save)
         if last is None:
             return f"{said}; no checkpoint is committed in --save {a.save} yet"
-        return (f"{said}; last committed checkpoint: {Path(a.save) / iteration_dirname(last)}; "
+        return (f"{said}; last committed checkpoint: {join(a.save, iteration_dirname(last))}; "
                 "rerun the same command to resume")
 
     def convert(self) -> None:

@@ -105,8 +105,8 @@ def key_record_problems(metadata: Metadata, records: Mapping[str, Mapping[str, A
     return problems
 
 
-def _item_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[str, Any]]) -> tuple[
-        list[str], dict[MetadataIndex, int]]:
+def _item_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[str, Any]],
+                   stored: Mapping[str, int] | None = None) -> tuple[list[str], dict[MetadataIndex, int]]:
     """Step 1 of the module docstring; also returns each valid item's byte length."""
     problems: list[str] = []
     lengths: dict[MetadataIndex, int] = {}
@@ -138,7 +138,13 @@ def _item_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[s
         lengths[index] = length
         ranges.setdefault(rel, []).append((offset, length, index.fqn))
     for rel, spans in sorted(ranges.items()):
-        problem = recorded_file_problem(root, rel, files[rel]["size"])
+        if stored is None:
+            problem = recorded_file_problem(root, rel, files[rel]["size"])
+        elif stored.get(rel) != files[rel]["size"]:
+            problem = (f"{rel}: not stored with the {files[rel]['size']} bytes written "
+                       f"({'missing' if rel not in stored else f'{stored[rel]} bytes'})")
+        else:
+            problem = None
         if problem is not None:
             problems.append(problem)
             continue
@@ -179,12 +185,14 @@ def _entry_problems(key: str, md: object, lengths: Mapping[MetadataIndex, int], 
 
 
 def storage_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[str, Any]],
-                     saved_keys: Mapping[str, Mapping[str, Any]]) -> list[str]:
+                     saved_keys: Mapping[str, Mapping[str, Any]], stored: Mapping[str, int] | None = None
+                     ) -> list[str]:
     """Everything that makes checkpoint ``root`` not whole (module docstring, steps 1-3); empty when whole.
 
     ``files`` and ``saved_keys`` are the manifest's records (or, at commit time, what is about to be
-    recorded). At most a few dozen problems are listed, then a count."""
-    problems, lengths = _item_problems(root, metadata, files)
+    recorded). ``stored``: the files' sizes as an object store lists them (else the files under ``root`` are
+    examined). At most a few dozen problems are listed, then a count."""
+    problems, lengths = _item_problems(root, metadata, files, stored)
     entries = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(entries, dict):
         return problems + [f"{root}/.metadata: has no state-dict metadata"]

@@ -58,6 +58,8 @@ class WriteJob:
     """The host buffers of the last async save, reused by the next one (updated by the write)."""
     async_group: Callable[[], dist.ProcessGroup | None] | None = None
     """The background save's own process group (created on first use)."""
+    after_write: Callable[[], None] | None = None
+    """Run by an async save's thread once this rank's files are written (the upload to an object store)."""
 
 
 class StoredCheckpoint(Protocol):
@@ -102,8 +104,10 @@ class StorageFormat(Protocol):
         ...
 
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
-                         held: Mapping[str, list[tuple[int, list[int], list[int]]]]) -> list[str]:
-        """Why the written staging directory is not a whole checkpoint (rank 0, before the commit)."""
+                         held: Mapping[str, list[tuple[int, list[int], list[int]]]],
+                         stored: Mapping[str, int] | None = None) -> list[str]:
+        """Why the written staging directory is not a whole checkpoint (rank 0, before the commit). ``stored``:
+        the sizes of the files as uploaded to an object store (else the files in ``staging`` are examined)."""
         ...
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
@@ -170,6 +174,8 @@ class TorchDistFormat:
             release.wait()
             result = dcp.save(snapshot, storage_writer=writer, planner=planner, process_group=group)
             check_frozen_unchanged()
+            if job.after_write is not None:
+                job.after_write()
             return result
 
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
@@ -182,10 +188,11 @@ class TorchDistFormat:
         return sorted(staging.glob(f"__{rank}_*"))
 
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
-                         held: Mapping[str, list[tuple[int, list[int], list[int]]]]) -> list[str]:
+                         held: Mapping[str, list[tuple[int, list[int], list[int]]]],
+                         stored: Mapping[str, int] | None = None) -> list[str]:
         try:
             metadata = load_dcp_metadata(staging / DCP_METADATA_FILENAME)
-            return storage_problems(staging, metadata, dict(files), dict(saved_keys)) + unwritten_pieces(
+            return storage_problems(staging, metadata, dict(files), dict(saved_keys), stored) + unwritten_pieces(
                 metadata, dict(held))
         except CheckpointError as e:  # e.g. the staging directory was removed under the save
             return [str(e)]
@@ -238,7 +245,8 @@ class LegacyTorchFormat:
         return [own] if own.is_file() and coords.get("dp", 0) == 0 else []
 
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
-                         held: Mapping[str, list[tuple[int, list[int], list[int]]]]) -> list[str]:
+                         held: Mapping[str, list[tuple[int, list[int], list[int]]]],
+                         stored: Mapping[str, int] | None = None) -> list[str]:
         return []  # each file is one rank's whole state; the manifest's checksums cover them
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],

@@ -20,13 +20,12 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def url_problem(value: str | os.PathLike[str]) -> str | None:
-    """Why ``value`` (a checkpoint path given by a user) cannot be used, or ``None``: a URL such as
-    ``s3://bucket/prefix`` would otherwise become a local directory named ``s3:`` -- a checkpoint the user
-    believes is in object storage, left on a node's disk."""
+    """Why ``value``, a path that must be local (an export's output directory, say), cannot be used, or
+    ``None``: a URL such as ``s3://bucket/prefix`` would otherwise become a local directory named ``s3:``. (Where
+    a URL is supported, :func:`~peftckpt.checkpoint.storage.object_store.parse_location` dispatches first.)"""
     if not isinstance(value, str) or not _URL.match(value):
         return None
-    return ("is a URL: checkpoints on object storage are not supported yet; give a local or mounted file system "
-            "path (e.g. an s3fs or mountpoint-s3 mount)")
+    return "is a URL, but this path must be a local (or mounted) file system path"
 
 
 def relpath_problem(rel: object) -> str | None:

@@ -54,6 +54,7 @@ __all__ = [
     "fsync_tree",
     "atomic_write_bytes",
     "read_tracker",
+    "parse_tracker",
     "write_tracker",
     "new_staging_dir",
     "clean_stale_staging",
@@ -178,10 +179,16 @@ def read_tracker(save_dir: str | os.PathLike[str]) -> int | None:
         return None
     except (OSError, ValueError) as exc:
         raise CheckpointFormatError(f"tracker file {tracker} is garbled: it {exc}; {hint}") from None
+    return parse_tracker(data, tracker)
+
+
+def parse_tracker(data: bytes, source: object) -> int:
+    """The iteration in a tracker's bytes, read from ``source`` (named in the error)."""
+    hint = "fix or delete it (the newest committed iter_* directory is used when it is absent)"
     match = _TRACKER_RE.fullmatch(data)
     if match is None:
         raise CheckpointFormatError(
-            f"tracker file {tracker} is garbled: expected a non-negative iteration number in ASCII digits, "
+            f"tracker file {source} is garbled: expected a non-negative iteration number in ASCII digits, "
             f"got {data[:40]!r}; {hint}"
         )
     return int(match.group(1))

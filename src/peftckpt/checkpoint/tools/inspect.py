@@ -45,13 +45,14 @@ from peftckpt.checkpoint.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
+from peftckpt.checkpoint.remote import fetch_copy
 from peftckpt.checkpoint.state.sections import MODEL, OPTIMIZER
 from peftckpt.checkpoint.state.trainable import TORCH, TORCH_DIST
 from peftckpt.checkpoint.storage.checksums import verify_files
 from peftckpt.checkpoint.storage.formats import storage_format
 from peftckpt.checkpoint.storage.legacy import FILENAME as LEGACY_FILENAME
 from peftckpt.checkpoint.storage.manifest import Manifest, read_manifest
-from peftckpt.checkpoint.storage.paths import url_problem
+from peftckpt.checkpoint.storage.object_store import ObjectStore, parse_location
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.storage.storage_layout import (
     LOCK_FILENAME,
@@ -270,7 +271,8 @@ class SaveDirReport:
 class InspectReport:
     """Result of :func:`inspect_path`: the save directory (if ``DIR`` is one) and the checkpoint."""
 
-    path: Path
+    path: Path | str
+    """The directory, or the URL on an object store."""
     kind: str
     """``"checkpoint"`` or ``"save_dir"``."""
     state: str
@@ -660,11 +662,33 @@ def inspect_path(path: str | os.PathLike[str], *, verify_checksums: bool = True)
             directory that is neither a checkpoint nor a save directory. Every problem of the checkpoint
             itself is reported in the result, not raised.
     """
-    problem = url_problem(path)
-    if problem is not None:
-        raise CheckpointNotFoundError(f"DIR {path} {problem}")
-    target = Path(path).absolute()
+    location = parse_location(path, "DIR")
+    if isinstance(location, ObjectStore):
+        return _inspect_remote(location)
+    target = location.absolute()
     if _classify(target) == "save_dir":  # 1.
         return _inspect_save_dir(target, verify_checksums)  # 2.
     ckpt = inspect_checkpoint(target, verify_checksums=verify_checksums)  # 3.
     return InspectReport(target, "checkpoint", ckpt.state, list(ckpt.reasons), checkpoint=ckpt)
+
+
+def _inspect_remote(store: ObjectStore) -> InspectReport:
+    """:func:`inspect_path` of a URL: the committed checkpoint it designates, downloaded with every object hashed
+    and checked as it streams (so checksums are always verified), then inspected like a local one; paths in the
+    report are the objects' URLs. Only the selected checkpoint is reported (no listing of the save location)."""
+    try:
+        copy = fetch_copy(store)
+    except CheckpointNotFoundError as exc:
+        return InspectReport(store.url, "checkpoint", UNCOMMITTED, [str(exc)])
+    except CheckpointError as exc:  # a garbled tracker or manifest
+        return InspectReport(store.url, "checkpoint", CORRUPTED, [str(exc)])
+    ckpt = inspect_checkpoint(copy.local, verify_checksums=False)
+    bad = {p.split(": ", 1)[0] for p in copy.problems}
+    reasons = [r for r in map(copy.rename, ckpt.reasons) if r.split(": ", 1)[0] not in bad]
+    ckpt.reasons = list(copy.problems) + reasons
+    ckpt.notes = [copy.rename(n) for n in ckpt.notes if "--no-verify-checksums" not in n]
+    ckpt.checksums_verified = True
+    ckpt.path = copy.url  # type: ignore[assignment]
+    if copy.problems and ckpt.state == COMMITTED:
+        ckpt.state = CORRUPTED
+    return InspectReport(store.url, "checkpoint", ckpt.state, list(ckpt.reasons), checkpoint=ckpt)

@@ -19,12 +19,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...sharding.entries import GlobalTensor, LazyGlobalTensor
-from ..errors import CheckpointFormatError, CheckpointIntegrityError, as_read_error, unwrap_dcp_error
+from ..errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    as_read_error,
+    unwrap_dcp_error,
+)
+from ..remote import fetch_copy, renamed_error
 from ..state.fingerprint import FINGERPRINT_VERSION, base_fingerprint
 from ..state.sections import MODEL
 from ..storage.checksums import verify_files
 from ..storage.formats import storage_format
 from ..storage.manifest import Manifest, read_manifest
+from ..storage.object_store import ObjectStore, parse_location
 from ..storage.safe_pickle import SafeFileSystemReader
 from ..storage.storage_layout import resolve_checkpoint_dir
 
@@ -109,7 +117,17 @@ def _one_tensor(source: TensorSource, name: str) -> torch.Tensor:
 def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
                     what: str = "checkpoint") -> OfflineCheckpoint:
     """Resolve ``path`` (a save directory via its tracker, or a checkpoint directory), read the manifest and
-    verify every file's checksum. ``what`` names the argument in error messages."""
+    verify every file's checksum. ``what`` names the argument in error messages. A URL's checkpoint is fetched
+    into a local copy first (every object verified as it downloads; deleted at exit)."""
+    location = parse_location(path, what)
+    if isinstance(location, ObjectStore):
+        copy = fetch_copy(location)
+        if copy.problems:
+            raise CheckpointIntegrityError(f"{what} {copy.url} is damaged:\n  " + "\n  ".join(copy.problems))
+        try:
+            return open_checkpoint(copy.local, verify_checksums=False, what=what)
+        except CheckpointError as e:
+            raise renamed_error(e, copy.local, copy.url) from None
     ckpt, iteration = resolve_checkpoint_dir(path)
     manifest = read_manifest(ckpt)
     fmt = storage_format(manifest.format, f"{what} {ckpt}")

@@ -19,9 +19,11 @@ from pathlib import Path
 
 from peftckpt.checkpoint.checks.integrity import DCP_METADATA_FILENAME
 from peftckpt.checkpoint.errors import UnsafeCheckpointError
+from peftckpt.checkpoint.remote import fetch_copy
 from peftckpt.checkpoint.storage.checksums import verify_files
 from peftckpt.checkpoint.storage.formats import storage_format
 from peftckpt.checkpoint.storage.manifest import read_manifest
+from peftckpt.checkpoint.storage.object_store import ObjectStore, parse_location
 from peftckpt.checkpoint.storage.storage_layout import resolve_checkpoint_dir
 
 __all__ = ["DCP_METADATA_FILENAME", "VerifyReport", "verify_checkpoint"]
@@ -30,7 +32,7 @@ __all__ = ["DCP_METADATA_FILENAME", "VerifyReport", "verify_checkpoint"]
 class VerifyReport:
     """Outcome of :func:`verify_checkpoint`."""
 
-    path: Path
+    path: Path | str
     """The checkpoint directory that was checked (after resolving a save directory)."""
     iteration: int
     """Its iteration."""
@@ -66,6 +68,9 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
             manifest is unreadable (then nothing else can be checked). Damage to the checkpoint's other
             files is reported in :attr:`VerifyReport.problems`, not raised.
     """
+    location = parse_location(path, "DIR")
+    if isinstance(location, ObjectStore):
+        return _verify_remote(location)
     ckpt_dir, iteration = resolve_checkpoint_dir(path)  # 1
     manifest = read_manifest(ckpt_dir)  # 2
     report = VerifyReport(
@@ -82,4 +87,22 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
     except UnsafeCheckpointError as exc:
         report.problems.append(str(exc))
     report.problems = list(dict.fromkeys(report.problems))  # a missing file is found by steps 3 and 4
+    return report
+
+
+def _verify_remote(store: ObjectStore) -> VerifyReport:
+    """:func:`verify_checkpoint` of a checkpoint on an object store: every object streamed and hashed against the
+    manifest (each bad one named by its URL), then the structure checks on the downloaded copy."""
+    copy = fetch_copy(store)
+    manifest = copy.manifest
+    report = VerifyReport(path=copy.url, iteration=copy.iteration, num_files=len(manifest.files),
+                          total_bytes=manifest.total_bytes, problems=list(copy.problems))
+    bad = {p.split(": ", 1)[0] for p in copy.problems}
+    try:
+        structure = storage_format(manifest.format, f"checkpoint {copy.url}").structure_problems(copy.local, manifest)
+    except UnsafeCheckpointError as exc:
+        structure = [str(exc)]
+    # A file the download already reported is absent from the copy: its local "missing" adds nothing.
+    report.problems += [p for p in map(copy.rename, structure) if p.split(": ", 1)[0] not in bad]
+    report.problems = list(dict.fromkeys(report.problems))
     return report

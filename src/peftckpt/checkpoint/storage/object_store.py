@@ -1,0 +1,254 @@
+"""Checkpoint locations on object storage: ``s3://bucket/prefix`` (and what else fsspec reaches).
+
+A location is parsed once (:func:`parse_location`): a local path stays a path, ``file:///abs/path`` becomes
+one, and a URL of a supported scheme becomes an :class:`ObjectStore` -- a thin, typed wrapper over the
+fsspec file system of that scheme with the few operations the commit protocol needs (read, write, upload,
+download while hashing, list, delete, copy). Credentials and endpoints come from the store's own standard
+configuration (for S3: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws/config``,
+``AWS_ENDPOINT_URL``), never from flags, so they never reach a manifest or a log.
+
+Every failure a user can cause -- an unknown scheme, a missing package, no bucket, a missing bucket, no
+credentials, an unreachable endpoint -- is one :class:`~peftckpt.checkpoint.errors.CheckpointError` naming
+the URL (:func:`store_error`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from peftckpt.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = ["ObjectStore", "Location", "parse_location", "is_url", "url_problem", "store_error", "SCHEME_PACKAGES"]
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+SCHEME_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+"""The package that gives fsspec each object-store scheme peftckpt admits (``pip install peftckpt[s3]`` for S3)."""
+
+_COPY_BLOCK = 8 * 1024 * 1024
+
+
+def is_url(value: object) -> bool:
+    """Whether ``value`` is a URL (``scheme://...``) rather than a file system path."""
+    return isinstance(value, str) and _URL.match(value) is not None
+
+
+def url_problem(value: object) -> str | None:
+    """Why the URL ``value`` cannot be a checkpoint location, or ``None`` (also for a plain path)."""
+    if not isinstance(value, str):
+        return None
+    match = _URL.match(value)
+    if match is None:
+        return None
+    scheme = match.group(1).lower()
+    if scheme == "file":
+        parts = urlsplit(value)
+        if parts.netloc not in ("", "localhost"):
+            return "is a file:// URL with a host; use file:///absolute/path"
+        return None
+    if scheme not in SCHEME_PACKAGES:
+        return (f"has scheme {scheme}://, which peftckpt does not store checkpoints on (supported: "
+                f"{', '.join(s + '://' for s in ('s3', 'gs', 'az', 'file'))}, or a local path)")
+    package = SCHEME_PACKAGES[scheme]
+    if importlib.util.find_spec(package) is None:
+        extra = " (pip install 'peftckpt[s3]')" if package == "s3fs" else ""
+        return f"needs the {package} package for {scheme}://, which is not installed{extra}"
+    rest = value[match.end():]
+    bucket = rest.split("/", 1)[0]
+    if not bucket:
+        return f"names no bucket (expected {scheme}://BUCKET/PREFIX)"
+    if "\\" in rest or any(part in (".", "..") for part in rest.split("/")):
+        return "has a '.' or '..' component or a backslash"
+    return None
+
+
+class ObjectStore:
+    """A checkpoint location on an object store: ``url`` (no trailing ``/``) and its fsspec file system.
+
+    Relative names (``rel``) are ``/``-separated and relative to the location; ``""`` is the location itself.
+    Errors from the store are translated by :func:`store_error` at the call sites that can name what failed.
+    """
+
+    def __init__(self, url: str):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        scheme = _URL.match(self.url).group(1).lower()  # type: ignore[union-attr]
+        self.scheme = scheme
+        self.fs: Any = fsspec.filesystem(scheme, skip_instance_cache=True)
+        self.root = self.url[len(scheme) + 3:]
+        self.bucket = self.root.split("/", 1)[0]
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.url!r})"
+
+    def __str__(self) -> str:
+        return self.url
+
+    def child(self, rel: str) -> ObjectStore:
+        """The location ``rel`` below this one."""
+        return ObjectStore(self.url_of(rel))
+
+    def key(self, rel: str = "") -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def url_of(self, rel: str = "") -> str:
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def name(self) -> str:
+        """The last component of the location (``iter_0000004`` for ``s3://b/run/iter_0000004``)."""
+        return self.root.rstrip("/").rsplit("/", 1)[-1]
+
+    # ------------------------------------------------------------------------------------- probing
+    def check_reachable(self) -> None:
+        """Raise one clear :class:`CheckpointError` unless the bucket exists and can be listed with the
+        configured credentials (nothing is written)."""
+        try:
+            self.fs.ls(self.bucket, detail=False, refresh=True)
+        except Exception as e:  # noqa: BLE001 - translated into one message naming the URL
+            raise store_error(e, self.url, f"bucket {self.bucket}") from None
+
+    # ---------------------------------------------------------------------------------- small objects
+    def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes:
+        """The object ``rel``; ``FileNotFoundError`` when absent, ``ValueError`` when larger than ``max_bytes``."""
+        key = self.key(rel)
+        if max_bytes is not None:
+            size = self.fs.size(key)
+            if size is not None and size > max_bytes:
+                raise ValueError(f"is {size} bytes, more than the {max_bytes} expected")
+        data: bytes = self.fs.cat_file(key)
+        return data
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write the object ``rel`` (one PUT: readers see the old object or the new one, never a part)."""
+        self.fs.pipe_file(self.key(rel), data)
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self.key(rel)))
+
+    # ----------------------------------------------------------------------------------- transfers
+    def upload(self, local: Path, rel: str) -> None:
+        """Copy the local file ``local`` to the object ``rel`` (multipart for large files)."""
+        self.fs.put_file(str(local), self.key(rel))
+
+    def download(self, rel: str, local: Path, on_block: Callable[[memoryview], None] | None = None,
+                 limit: int | None = None) -> int:
+        """Stream the object ``rel`` into the local file ``local``, handing each block to ``on_block`` (a
+        digest's ``update``) as it arrives; returns the bytes written. Stops with ``ValueError`` past ``limit``
+        bytes (an object grown since it was recorded is never read without bound)."""
+        total = 0
+        buf = bytearray(_COPY_BLOCK)
+        view = memoryview(buf)
+        with self.fs.open(self.key(rel), "rb", block_size=_COPY_BLOCK) as src, open(local, "wb") as dst:
+            while n := src.readinto(buf):
+                total += n
+                if limit is not None and total > limit:
+                    raise ValueError(f"is larger than the {limit} bytes recorded")
+                if on_block is not None:
+                    on_block(view[:n])
+                dst.write(view[:n])
+        return total
+
+    def read_through(self, rel: str, on_block: Callable[[memoryview], None], limit: int | None = None) -> int:
+        """Stream the object ``rel`` to ``on_block`` without keeping it; returns its size (``limit`` as in
+        :meth:`download`)."""
+        total = 0
+        buf = bytearray(_COPY_BLOCK)
+        view = memoryview(buf)
+        with self.fs.open(self.key(rel), "rb", block_size=_COPY_BLOCK) as src:
+            while n := src.readinto(buf):
+                total += n
+                if limit is not None and total > limit:
+                    raise ValueError(f"is larger than the {limit} bytes recorded")
+                on_block(view[:n])
+        return total
+
+    def copy(self, src_rel: str, dst_rel: str) -> None:
+        """Server-side copy of one object (no bytes through this process where the store supports it)."""
+        self.fs.copy(self.key(src_rel), self.key(dst_rel))
+
+    # ------------------------------------------------------------------------------------- listing
+    def list_files(self, rel: str = "") -> dict[str, int]:
+        """Every object below ``rel``: ``{name relative to rel: size}`` (empty when there is none)."""
+        base = self.key(rel).rstrip("/")
+        self.fs.invalidate_cache(base)
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for key, info in found.items():
+            if info.get("type", "file") != "file":
+                continue
+            name = key[len(base) + 1:] if key.startswith(base + "/") else None
+            if name:
+                out[name] = int(info.get("size") or 0)
+        return out
+
+    def children(self) -> list[str]:
+        """The first-level names below the location (objects and common prefixes)."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def delete(self, rel: str) -> None:
+        """Delete the object ``rel``, or every object below the prefix ``rel`` (absent: nothing happens)."""
+        keys = [self.key(rel)] if self.fs.isfile(self.key(rel)) else [
+            self.key(f"{rel}/{name}") for name in self.list_files(rel)]
+        if keys:
+            self.fs.rm(keys)
+        self.fs.invalidate_cache(self.root)
+
+
+Location = Path | ObjectStore
+"""Where a checkpoint or save directory lives: a local path or a place on an object store."""
+
+
+def parse_location(value: str | os.PathLike[str], what: str) -> Location:
+    """``value`` as a :data:`Location`; ``what`` (e.g. ``"--save"``) names it in the one error a bad URL gets.
+
+    ``file:///abs/path`` is the local path ``/abs/path`` (with the local commit protocol: rename and fsync)."""
+    text = os.fspath(value)
+    problem = url_problem(text)
+    if problem is not None:
+        raise CheckpointError(f"{what} {text} {problem}")
+    if not is_url(text):
+        return Path(text)
+    if text.lower().startswith("file://"):
+        return Path(unquote(urlsplit(text).path))
+    return ObjectStore(text)
+
+
+def store_error(exc: BaseException, url: str, what: str) -> CheckpointError:
+    """One clear error for a store failure on ``what`` (an object or the bucket) of ``url``."""
+    name = type(exc).__name__
+    text = str(exc)
+    if isinstance(exc, CheckpointError):
+        return exc
+    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError") or (
+            "credentials" in text.lower() and "locate" in text.lower()):
+        return CheckpointError(
+            f"{url}: no credentials for the object store: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+            "AWS_PROFILE / ~/.aws/credentials); an S3-compatible server's address goes in AWS_ENDPOINT_URL")
+    if isinstance(exc, PermissionError) or name in ("ClientError",) and "AccessDenied" in text:
+        return CheckpointError(f"{url}: access to {what} denied with the configured credentials ({text})")
+    if isinstance(exc, FileNotFoundError):
+        if "bucket" in text.lower() and "not exist" in text.lower():
+            bucket = url.split("://", 1)[1].split("/", 1)[0]
+            return CheckpointNotFoundError(f"{url}: bucket {bucket} does not exist (create it first; peftckpt never "
+                                           "creates buckets)")
+        return CheckpointNotFoundError(f"{url}: {what} does not exist")
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionError") or \
+            isinstance(exc, ConnectionError):
+        return CheckpointError(f"{url}: cannot reach the object store ({text}); check AWS_ENDPOINT_URL and the "
+                               "network")
+    return CheckpointError(f"{url}: {what}: {name}: {text}")

@@ -1,0 +1,101 @@
+"""A committed checkpoint's objects on a store, checked against its manifest while they stream.
+
+:func:`read_remote_manifest` reads and validates the manifest object; :func:`fetch_files` downloads the recorded
+objects into a local directory (or only reads them through, for ``verify``), hashing every block as it arrives,
+and reports each missing, resized, damaged or unlisted object by its URL -- the same checks as
+:func:`~peftckpt.checkpoint.storage.checksums.verify_files` on disk, without a second pass over the bytes.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from peftckpt.checkpoint.errors import CheckpointError, CheckpointFormatError
+from peftckpt.checkpoint.storage.checksums import new_digest
+from peftckpt.checkpoint.storage.manifest import MANIFEST_MAX_BYTES, Manifest
+from peftckpt.checkpoint.storage.object_store import ObjectStore, store_error
+from peftckpt.checkpoint.storage.storage_layout import MANIFEST_FILENAME
+
+__all__ = ["read_remote_manifest", "fetch_files"]
+
+_TRANSFER_THREADS = 8
+
+
+def read_remote_manifest(store: ObjectStore, rel: str) -> tuple[Manifest, bytes]:
+    """The manifest of the checkpoint ``rel`` of ``store`` (and its bytes)."""
+    where = f"{rel}/{MANIFEST_FILENAME}" if rel else MANIFEST_FILENAME
+    url = store.url_of(where)
+    try:
+        data = store.read_bytes(where, MANIFEST_MAX_BYTES)
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{store.url_of(rel)} is not a committed peftckpt checkpoint: it has no "
+                                    f"{MANIFEST_FILENAME}") from None
+    except ValueError as e:
+        raise CheckpointFormatError(f"manifest {url} cannot be read: it {e}") from None
+    except Exception as e:  # noqa: BLE001 - the store's failure, named once
+        raise store_error(e, url, "the manifest") from None
+    return Manifest.from_json(data, url), data  # type: ignore[arg-type]
+
+
+def _fetch_one(store: ObjectStore, rel: str, name: str, expected: dict, algorithm: str, into: Path | None
+               ) -> str | None:
+    url = store.url_of(f"{rel}/{name}" if rel else name)
+    digest = new_digest(algorithm)
+    key = f"{rel}/{name}" if rel else name
+    try:
+        if into is None:
+            got = store.read_through(key, digest.update, limit=int(expected["size"]))
+        else:
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            got = store.download(key, into / name, digest.update, limit=int(expected["size"]))
+    except ValueError:
+        return f"{url}: size mismatch (extended): more than the {expected['size']} bytes recorded"
+    except FileNotFoundError:
+        return f"{url}: missing (expected {expected['size']} bytes)"
+    except Exception as e:  # noqa: BLE001 - one line naming the object
+        return f"{url}: cannot be read: {store_error(e, url, 'the object')}"
+    if got != int(expected["size"]):
+        return f"{url}: size mismatch (truncated): expected {expected['size']} bytes, got {got}"
+    if digest.hexdigest() != expected["checksum"]:
+        return (f"{url}: {algorithm} checksum mismatch: expected {expected['checksum']}, "
+                f"got {digest.hexdigest()}")
+    return None
+
+
+def fetch_files(store: ObjectStore, rel: str, manifest: Manifest, into: Path | None) -> list[str]:
+    """Stream every object the manifest records for checkpoint ``rel`` -- into the directory ``into``, or only
+    through the hash when ``into`` is ``None`` -- and return one problem per bad object (empty: intact).
+
+    Reported: a recorded object that is missing, of another size, or whose checksum differs, and an object
+    below ``rel`` that the manifest does not list."""
+    try:
+        new_digest(manifest.checksum_algorithm)
+        stored = store.list_files(rel)
+    except CheckpointError as e:
+        return [f"{store.url_of(rel)}: {e}"]
+    except Exception as e:  # noqa: BLE001
+        raise store_error(e, store.url_of(rel), "the checkpoint") from None
+    problems: dict[str, str] = {}
+    to_fetch = []
+    for name, rec in sorted(manifest.files.items()):
+        size = stored.get(name)
+        if size is None:
+            problems[name] = f"{store.url_of(f'{rel}/{name}' if rel else name)}: missing (expected {rec['size']} bytes)"
+        elif size != int(rec["size"]):
+            kind = "truncated" if size < int(rec["size"]) else "extended"
+            problems[name] = (f"{store.url_of(f'{rel}/{name}' if rel else name)}: size mismatch ({kind}): expected "
+                              f"{rec['size']} bytes, got {size}")
+        else:
+            to_fetch.append(name)
+    for name in sorted(set(stored) - set(manifest.files) - {MANIFEST_FILENAME}):
+        problems[name] = f"{store.url_of(f'{rel}/{name}' if rel else name)}: unexpected object, not listed in the manifest"
+    if into is not None:
+        into.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=max(1, min(_TRANSFER_THREADS, len(to_fetch)))) as pool:
+        found = pool.map(lambda n: _fetch_one(store, rel, n, manifest.files[n], manifest.checksum_algorithm, into),
+                         to_fetch)
+        for name, problem in zip(to_fetch, found):
+            if problem is not None:
+                problems[name] = problem
+    return [problems[n] for n in sorted(problems)]
