@@ -1,0 +1,95 @@
+"""A real S3-compatible server for the object-store tests: moto's standalone server, a separate process on
+127.0.0.1, started and stopped by a fixture (nothing to set up by hand)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BUCKET = "peftckpt-test"
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    env: dict[str, str]
+    """The AWS variables a client needs (credentials, region, endpoint), and a node-local cache directory."""
+
+    def fs(self) -> Any:
+        import s3fs
+
+        return s3fs.S3FileSystem(key=self.env["AWS_ACCESS_KEY_ID"], secret=self.env["AWS_SECRET_ACCESS_KEY"],
+                                 endpoint_url=self.endpoint, skip_instance_cache=True)
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{BUCKET}/{prefix}"
+
+    def flip_byte(self, key: str, offset: int = -100) -> None:
+        """Flip one byte of the object ``key`` (below the bucket) in place."""
+        fs = self.fs()
+        data = bytearray(fs.cat_file(f"{BUCKET}/{key}"))
+        data[offset] ^= 0x01
+        fs.pipe_file(f"{BUCKET}/{key}", bytes(data))
+
+    def keys(self, prefix: str) -> list[str]:
+        fs = self.fs()
+        fs.invalidate_cache()
+        try:
+            return sorted(k.removeprefix(f"{BUCKET}/{prefix}/") for k in fs.find(f"{BUCKET}/{prefix}"))
+        except FileNotFoundError:
+            return []
+
+    def download(self, prefix: str, into: Path) -> Path:
+        """Every object below ``prefix``, copied into the local directory ``into``."""
+        fs = self.fs()
+        for key in fs.find(f"{BUCKET}/{prefix}"):
+            target = into / key.removeprefix(f"{BUCKET}/{prefix}/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(fs.cat_file(key))
+        return into
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def s3_server(cache: Path) -> Iterator[S3Server]:
+    """Start moto's S3 server on a free port, create the test bucket, yield it; stop it afterwards."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's S3 server did not start on {endpoint}") from None
+                time.sleep(0.2)
+        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_ENDPOINT_URL": endpoint, "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull,
+               "PEFTCKPT_CACHE_DIR": str(cache)}
+        server = S3Server(endpoint, env)
+        server.fs().mkdir(BUCKET)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
