@@ -35,7 +35,7 @@ from .storage.manifest import Manifest, read_manifest
 from .storage.object_store import ObjectStore, is_url, parse_location, store_error
 from .storage.remote_files import fetch_files, read_remote_manifest
 from .storage.remote_layout import resolve
-from .storage.storage_layout import MANIFEST_FILENAME, read_tracker, resolve_checkpoint_dir
+from .storage.storage_layout import MANIFEST_FILENAME, iteration_dirname, read_tracker, resolve_checkpoint_dir
 
 if TYPE_CHECKING:
     from .commit import PendingCommit
@@ -97,7 +97,7 @@ def fetched(comm: Collectives, store: ObjectStore) -> Iterator[tuple[Path, str, 
     url = store.url_of(rel)
     hosts = comm.gather(socket.gethostname())
     downloads = hosts.index(hosts[comm.rank]) == comm.rank
-    local = cache_root() / "fetch" / token / (rel.rsplit("/", 1)[-1] or store.name())
+    local = cache_root() / "fetch" / token / iteration_dirname(iteration)
     problems: list[str] = []
     error = None
     if downloads:  # 2.
@@ -196,7 +196,7 @@ def fetch_copy(store: ObjectStore) -> FetchedCopy:
     local copy, every object verified as it streams; the copy is deleted when the process exits."""
     rel, iteration = resolve(store)
     manifest, data = read_remote_manifest(store, rel)
-    local = cache_root() / "fetch" / secrets.token_hex(6) / (rel.rsplit("/", 1)[-1] or store.name())
+    local = cache_root() / "fetch" / secrets.token_hex(6) / iteration_dirname(iteration)
     atexit.register(shutil.rmtree, local.parent, True)
     problems = fetch_files(store, rel, manifest, local)
     (local / MANIFEST_FILENAME).write_bytes(data)

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 
 from peftckpt.checkpoint.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 from peftckpt.checkpoint.storage.object_store import ObjectStore, store_error
+from peftckpt.checkpoint.storage.remote_files import read_remote_manifest
 from peftckpt.checkpoint.storage.storage_layout import (
     MANIFEST_FILENAME,
     STAGING_PREFIX,
@@ -107,7 +108,8 @@ def resolve(store: ObjectStore) -> tuple[str, int]:
     store.check_reachable()  # a missing bucket or credentials: said as such, not as "no checkpoint"
     try:
         if is_checkpoint(store):
-            return "", parse_iteration_dirname(store.name()) or 0
+            named = parse_iteration_dirname(store.name())
+            return "", named if named is not None else read_remote_manifest(store, "")[0].iteration
         names = store.children()
         tracked = read_tracker(store)
         committed = _committed(store, names)

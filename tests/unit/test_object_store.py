@@ -1,0 +1,155 @@
+"""The library on a real S3-compatible server (moto's, on 127.0.0.1): URLs, retention, re-saving a committed
+iteration (and a re-save interrupted at each step), async saves, the tracker rule and the legacy format."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from peftckpt import CheckpointError
+from peftckpt.checkpoint.options import LoadOptions, SaveOptions
+from peftckpt.checkpoint.storage.object_store import ObjectStore, parse_location, url_problem
+from peftckpt.checkpoint.storage.remote_layout import (
+    clean_uncommitted,
+    list_committed,
+    read_tracker,
+    resolve,
+)
+from peftckpt.checkpoint.storage.storage_layout import CheckpointFallbackWarning
+
+from ..s3_server import BUCKET, S3Server, s3_server
+from .small_model import small_checkpointer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with s3_server(tmp_path_factory.mktemp("cache")) as s:
+        yield s
+
+
+@pytest.fixture
+def s3(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    return server
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _loads_as(url: str, expected: dict[str, torch.Tensor]) -> int:
+    ckpt, model = small_checkpointer(seed=99)
+    result = ckpt.load(url)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    assert isinstance(result.path, str) and result.path.startswith("s3://")
+    return result.iteration
+
+
+def test_urls_are_parsed_or_refused_with_one_reason() -> None:
+    assert parse_location("run", "--save") == Path("run")
+    assert parse_location("file:///tmp/x%20y", "--save") == Path("/tmp/x y")
+    store = parse_location("s3://bucket/a/b/", "--save")
+    assert isinstance(store, ObjectStore) and store.url == "s3://bucket/a/b" and store.bucket == "bucket"
+    assert store.url_of("iter_0000001") == "s3://bucket/a/b/iter_0000001"
+    assert url_problem("s3:///run") == "names no bucket (expected s3://BUCKET/PREFIX)"
+    assert "hdfs://" in (url_problem("hdfs://nn/run") or "")
+    assert "'..'" in (url_problem("s3://b/a/../c") or "")
+    assert url_problem("file://host/tmp") is not None and url_problem("/tmp/run") is None
+    with pytest.raises(CheckpointError, match=r"^--save ftp://x/y has scheme ftp://"):
+        parse_location("ftp://x/y", "--save")
+
+
+def test_save_load_retention_and_the_tracker_rule(s3: S3Server) -> None:
+    url = s3.url("lib/retention")
+    ckpt, model = small_checkpointer()
+    saved = {}
+    for it in (1, 2, 3):
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        assert ckpt.save(url, it, options=SaveOptions(keep_last_k=2)) == f"{url}/iter_{it:07d}"
+        saved[it] = _weights(model)
+    store = ObjectStore(url)
+    assert list_committed(store) == [2, 3] and read_tracker(store) == 3  # iteration 1 retired
+    ckpt.save(url, 1, options=SaveOptions(keep_last_k=5))  # a late save of an older iteration
+    assert read_tracker(store) == 3  # the tracker keeps naming the newest
+    ckpt.close()
+    assert _loads_as(url, saved[3]) == 3
+    assert _loads_as(f"{url}/iter_0000002", saved[2]) == 2
+    assert not list((Path(s3.env["PEFTCKPT_CACHE_DIR"]) / "fetch").rglob("*.distcp"))
+
+
+def test_resaving_a_committed_iteration_never_leaves_it_without_a_complete_copy(s3: S3Server) -> None:
+    url = s3.url("lib/resave")
+    store = ObjectStore(url)
+    ckpt, model = small_checkpointer()
+    ckpt.save(url, 5)
+    old = _weights(model)
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+    new = _weights(model)
+    # A re-save stopped after its staged copy is complete but before the promotion: the old copy stands.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PEFTCKPT_FAULT_INJECT", "before_rename:eio")
+        with pytest.raises(CheckpointError, match="iteration 5 was committed|nothing was committed"):
+            ckpt.save(url, 5)
+    assert _loads_as(url, old) == 5
+    staged = [n for n in store.children() if n.startswith(".staging.iter_0000005.")]
+    assert len(staged) == 1
+    # A crash in the middle of the promotion (old copy uncommitted, new one not copied yet): loads use the staged
+    # copy, with a warning, and the next save finishes the promotion.
+    store.delete("iter_0000005/metadata.json")
+    with pytest.warns(CheckpointFallbackWarning, match="was being re-saved"):
+        assert resolve(store) == (staged[0], 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointFallbackWarning)
+        assert _loads_as(url, new) == 5
+    assert clean_uncommitted(store) == ["iter_0000005"]
+    assert [n for n in store.children() if n.startswith(".staging.")] == []
+    assert _loads_as(url, new) == 5
+    # A plain re-save replaces the copy.
+    with torch.no_grad():
+        model[0].weight.add_(3.0)
+    ckpt.save(url, 5)
+    ckpt.close()
+    assert _loads_as(url, _weights(model)) == 5
+    assert [n for n in store.children() if not n.startswith("iter_")] == ["latest_checkpointed_iteration.txt"]
+
+
+def test_async_saves_upload_in_the_background_and_commit(s3: S3Server) -> None:
+    url = s3.url("lib/async")
+    ckpt, model = small_checkpointer()
+    handles = []
+    for it in (1, 2):
+        with torch.no_grad():
+            model[2].weight.add_(0.5)
+        handles.append(ckpt.async_save(url, it))
+        expected = _weights(model)
+    ckpt.wait()
+    assert all(h.done() for h in handles)
+    ckpt.close()
+    assert list_committed(ObjectStore(url)) == [1, 2]
+    assert _loads_as(url, expected) == 2
+
+
+def test_missing_bucket_and_damage_are_one_error_each(s3: S3Server) -> None:
+    ckpt, _ = small_checkpointer()
+    with pytest.raises(CheckpointError, match="bucket no-such-bucket-x does not exist"):
+        ckpt.save("s3://no-such-bucket-x/run", 1)
+    with pytest.raises(CheckpointError, match=f"no committed checkpoint in s3://{BUCKET}/lib/empty"):
+        ckpt.load(s3.url("lib/empty"))
+    url = s3.url("lib/damaged")
+    ckpt.save(url, 1, options=SaveOptions())
+    s3.fs().rm_file(f"{BUCKET}/lib/damaged/iter_0000001/.metadata")
+    s3.fs().pipe_file(f"{BUCKET}/lib/damaged/iter_0000001/stray.bin", b"x")
+    with pytest.raises(CheckpointError) as raised:
+        ckpt.load(url, LoadOptions())
+    said = str(raised.value)
+    assert f"{url}/iter_0000001/.metadata: missing" in said
+    assert f"{url}/iter_0000001/stray.bin: unexpected object, not listed in the manifest" in said
+    ckpt.close()
