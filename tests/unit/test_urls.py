@@ -24,7 +24,7 @@ CASES = [
     (["verify", "s3:///run"], NO_BUCKET),
     (["export-hf", "hdfs://nn/run", "out"], SCHEME),
     (["export-peft", "run", "s3://bucket/out"], LOCAL),
-    (["import-hf", "hf", "s3://bucket/out"], LOCAL),
+    (["import-hf", "hf", "hdfs://nn/out"], SCHEME),
     (["import-hf", "s3://bucket/hf", "out"], LOCAL),
     (["import-peft", "peft", "out", "--base", "hdfs://nn/base"], SCHEME),
 ]

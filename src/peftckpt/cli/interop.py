@@ -61,7 +61,11 @@ def _parser(command: str, description: str, source: str, source_help: str | None
     p = argparse.ArgumentParser(prog=f"peftckpt {command}", description=description, formatter_class=HelpFormatter)
     p.add_argument(source.lower(), metavar=source, type=checkpoint_location if source == "CKPT" else local_path,
                    help=source_help)
-    p.add_argument("out", metavar="OUT", type=local_path, help="new directory (must not exist or be empty)")
+    if source in ("HF_DIR", "PEFT_DIR"):  # an import writes a checkpoint: local, or on an object store
+        p.add_argument("out", metavar="OUT", type=checkpoint_location,
+                       help="new save directory (must not exist or be empty), or an empty s3:// location")
+    else:
+        p.add_argument("out", metavar="OUT", type=local_path, help="new directory (must not exist or be empty)")
     if checksums:
         p.add_argument("--no-verify-checksums", action="store_true", help="do not re-hash the checkpoint's files")
     return p

@@ -22,7 +22,7 @@ from ..checkpoint.api import Checkpointer, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
 from ..checkpoint.remote import manifest_at
 from ..checkpoint.state.fingerprint import fingerprint_version
-from ..checkpoint.storage.object_store import is_url
+from ..checkpoint.storage.object_store import is_url, parse_location
 from ..checkpoint.storage.paths import url_problem
 from ..checkpoint.tools.offline import OfflineCheckpoint, lazy_entries, lazy_fingerprint, open_checkpoint
 from ..model.config import GPTConfig, LoRAConfig
@@ -82,20 +82,40 @@ def _output_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-def import_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:
+@contextlib.contextmanager
+def _checkpoint_output(path: str | os.PathLike[str]) -> Iterator[Path | str]:
+    """An import's save location ``OUT``: a new or empty local directory (:func:`_output_dir`), or a location on
+    an object store that holds nothing yet, whose objects are deleted again if the import fails."""
+    location = parse_location(path, "OUT")
+    if isinstance(location, Path):
+        with _output_dir(location) as out:
+            yield out
+        return
+    location.check_reachable()
+    if location.children():
+        raise InteropError(f"OUT {location.url} already holds objects; nothing was written")
+    try:
+        yield location.url
+    except BaseException:
+        location.delete("")
+        raise
+
+
+def import_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], dtype: torch.dtype | None = None
+              ) -> Path | str:
     """HF Llama directory -> a full ``torch_dist`` base checkpoint (iteration 0) in the save directory ``out``.
 
     Streams: the directory is validated from its headers first, then each of our tensors is assembled from
     the HF bytes as it is written, in the HF files' dtype (or ``dtype``); peak memory is a few tensors."""
     hf = HFModelDir(hf_dir)
-    with _output_dir(out) as out_dir:
+    with _checkpoint_output(out) as out_dir:
         entries = {name: LazyGlobalTensor(shape, dtype or src, functools.partial(_read_as, hf, name, dtype))
                    for name, (shape, src) in hf.ours.items()}
         args = {"source": "import-hf", "hf_dir": str(Path(hf_dir).absolute())}
         ckpt = Checkpointer([_StreamedChunk(entries)], None, layout=_SINGLE, coords=_COORDS,
                             model_config=hf.config.to_dict())
         try:
-            return Path(ckpt.save(out_dir, 0, {}, SaveOptions(save_optim=False, save_rng=False), args=args))
+            return ckpt.save(out_dir, 0, {}, SaveOptions(save_optim=False, save_rng=False), args=args)
         finally:
             ckpt.close()
 
@@ -112,9 +132,13 @@ def _open_base(path: str | os.PathLike[str], verify_checksums: bool) -> HFModelD
         return HFModelDir(path)
     base = open_checkpoint(path, verify_checksums, what="--base")
     if base.manifest.trainable_only:
-        raise InteropError(f"--base {base.path} is an adapter-only checkpoint; pass the full base "
+        raise InteropError(f"--base {base.where} is an adapter-only checkpoint; pass the full base "
                            "(an HF directory, or a checkpoint made by import-hf)")
     return base
+
+
+def _where(base: HFModelDir | OfflineCheckpoint) -> str:
+    return base.where if isinstance(base, OfflineCheckpoint) else str(Path(base.path).absolute())
 
 
 def _config_of(base: HFModelDir | OfflineCheckpoint) -> GPTConfig:
@@ -122,7 +146,7 @@ def _config_of(base: HFModelDir | OfflineCheckpoint) -> GPTConfig:
 
 
 def import_peft(peft_dir: str | os.PathLike[str], out: str | os.PathLike[str], base: str | os.PathLike[str],
-                verify_checksums: bool = True) -> Path:
+                verify_checksums: bool = True) -> Path | str:
     """PEFT LoRA adapter -> an adapter-only checkpoint (iteration 0, no optimizer state) for ``base``.
 
     Streams: the checkpoint holds the adapter; the base (an HF directory or a full checkpoint) is only read,
@@ -142,13 +166,13 @@ def import_peft(peft_dir: str | os.PathLike[str], out: str | os.PathLike[str], b
     entries: dict[str, GlobalTensor] = {k.removeprefix("model."): v for k, v in lazy_entries(base_src, frozen).items()}
     entries |= {n: global_tensor_of(t, requires_grad=True) for n, t in adapter.items()}
     args = {"source": "import-peft", "peft_dir": str(Path(peft_dir).absolute()),
-            "pretrained_checkpoint": str(Path(base_src.path).absolute())}
-    with _output_dir(out) as out_dir:
+            "pretrained_checkpoint": _where(base_src)}
+    with _checkpoint_output(out) as out_dir:
         ckpt = Checkpointer([_StreamedChunk(entries)], None, layout=_SINGLE, coords=_COORDS,
                             model_config=cfg.to_dict(), adapter_config=lora.to_dict())
         try:
-            return Path(ckpt.save(out_dir, 0, {}, SaveOptions(trainable_only=True, save_optim=False, save_rng=False),
-                             args=args))
+            return ckpt.save(out_dir, 0, {}, SaveOptions(trainable_only=True, save_optim=False, save_rng=False),
+                             args=args)
         finally:
             ckpt.close()
 
@@ -164,15 +188,15 @@ def _adapter_tensors(ckpt: OfflineCheckpoint) -> dict[str, torch.Tensor]:
 def _lora_of(ckpt: OfflineCheckpoint, adapters: dict[str, torch.Tensor]) -> LoRAConfig:
     """The manifest's LoRA config, trusted only where it agrees with the stored ``adapters``' shapes."""
     if not ckpt.manifest.adapter_config:
-        raise InteropError(f"checkpoint {ckpt.path} was not trained with LoRA (its manifest has no adapter_config)")
+        raise InteropError(f"checkpoint {ckpt.where} was not trained with LoRA (its manifest has no adapter_config)")
     try:
         lora = LoRAConfig.from_dict(ckpt.manifest.adapter_config)
     except (TypeError, ValueError) as e:
-        raise InteropError(f"checkpoint {ckpt.path}: the manifest's adapter_config is invalid: {e}") from None
+        raise InteropError(f"checkpoint {ckpt.where}: the manifest's adapter_config is invalid: {e}") from None
     wrong = [f"{k}: shape {list(v.shape)}" for k, v in sorted(adapters.items()) if is_adapter_name(k)
              and (v.ndim != 2 or v.shape[0 if k.rsplit(".", 1)[-1].startswith("lora_A") else 1] != lora.rank)]
     if wrong:
-        raise InteropError(f"checkpoint {ckpt.path}: the manifest's adapter_config says rank {lora.rank}, but the "
+        raise InteropError(f"checkpoint {ckpt.where}: the manifest's adapter_config says rank {lora.rank}, but the "
                            "stored adapter tensors disagree:\n  " + "\n  ".join(wrong[:10])
                            + "\nthe manifest was altered or the checkpoint mixes two runs; nothing was written")
     return lora
@@ -214,7 +238,7 @@ def _base_path(ckpt: OfflineCheckpoint, base: str | os.PathLike[str] | None) -> 
     recorded = ckpt.manifest.args.get("pretrained_checkpoint") if ckpt.manifest.args else None
     if not recorded or not (is_url(recorded) or Path(recorded).exists()):
         where = f" (it was trained on {recorded}, which is not there)" if recorded else ""
-        raise InteropError(f"checkpoint {ckpt.path} is adapter-only: pass the base it was trained on with "
+        raise InteropError(f"checkpoint {ckpt.where} is adapter-only: pass the base it was trained on with "
                            f"--base{where}")
     return str(recorded)
 
@@ -239,7 +263,7 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
                 else "incomplete"
             if mine != ckpt.manifest.base_fingerprint:
                 raise CheckpointMismatchError(
-                    f"adapter checkpoint {ckpt.path} was trained on a different base than --base {base_src.path}"
+                    f"adapter checkpoint {ckpt.where} was trained on a different base than --base {_where(base_src)}"
                     f" (fingerprint {ckpt.manifest.base_fingerprint} vs {mine}); --no-verify-base overrides")
         sources = dict.fromkeys(base_src.model_shapes(), base_src) | sources
     adapter_names = sorted(k for k in sources if is_adapter_name(k))
@@ -256,7 +280,7 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
     plan = hf_export_plan(cfg)
     missing = sorted(ours for ours, _ in plan if ours not in sources)
     if missing:
-        raise InteropError(f"checkpoint {ckpt.path} lacks model tensor(s) {missing[:5]} that an HF Llama needs")
+        raise InteropError(f"checkpoint {ckpt.where} lacks model tensor(s) {missing[:5]} that an HF Llama needs")
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for ours, split in plan:
         shape = sources[ours].model_shapes()[ours][0]

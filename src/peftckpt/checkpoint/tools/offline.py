@@ -46,6 +46,13 @@ class OfflineCheckpoint:
     path: Path
     iteration: int
     manifest: Manifest
+    source: str = ""
+    """Where it was read from when that is not ``path``: the URL of a checkpoint fetched from an object store."""
+
+    @property
+    def where(self) -> str:
+        """The checkpoint as the user named it (its URL, or its absolute directory)."""
+        return self.source or str(self.path.absolute())
 
     def model_tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """``{model name: global tensor}`` of the model section (all of it, or ``names``)."""
@@ -125,9 +132,11 @@ def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
         if copy.problems:
             raise CheckpointIntegrityError(f"{what} {copy.url} is damaged:\n  " + "\n  ".join(copy.problems))
         try:
-            return open_checkpoint(copy.local, verify_checksums=False, what=what)
+            opened = open_checkpoint(copy.local, verify_checksums=False, what=what)
         except CheckpointError as e:
             raise renamed_error(e, copy.local, copy.url) from None
+        opened.source = copy.url
+        return opened
     ckpt, iteration = resolve_checkpoint_dir(path)
     manifest = read_manifest(ckpt)
     fmt = storage_format(manifest.format, f"{what} {ckpt}")
