@@ -15,6 +15,7 @@ LABELS = {
     "ours_model_only": "ours: adapter only (no optimizer, no RNG)",
     "bare_full": "DCP write of our full entries (no manifest/checksums/commit)",
     "bare_trainable": "DCP write of our trainable entries (no manifest/checksums/commit)",
+    "s3_trainable": "ours: trainable-only to s3:// (local moto server: spool + upload / verified download + load)",
     "plain_dcp": "plain DCP: get_state_dict(ignore_frozen_params) + dcp.save/load",
     "torch_save": "torch.save of the filtered state dict (no fsync)",
     "torch_save_fsync": "torch.save of the filtered state dict + fsync",
@@ -124,6 +125,10 @@ def report(r: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         lines.append(f"| async {name} save: training blocked | {_cell(rec['blocked'])} |")
         lines.append(f"| async {name} save: call to committed (`wait()`) | {_cell(rec['until_committed'])} |")
     lines.append(f"| base fingerprint (uncached; once per run) | {_cell(r['fingerprint'])} |")
+    if "s3_trainable" in rows:
+        s3, local = rows["s3_trainable"], rows["ours_trainable"]
+        lines.append(f"| trainable-only on S3 / on local disk (medians): save x{_m(s3['save']) / _m(local['save']):.2f}, "
+                     f"load x{_m(s3['load']) / _m(local['load']):.2f} | |")
     lines.append(f"| checksums of the full checkpoint's files (standalone) | {_cell(rows['ours_full']['checksum'])} |")
     sc = r["scaling"]
     lines += ["", "Scaling (trainable-only save; stored tensors = adapter tensors x 3 with the Adam moments):", "",

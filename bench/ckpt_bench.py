@@ -14,6 +14,7 @@ and how the page cache is handled.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -35,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
+import _s3
 from _peers import HFPeft, PlainDCP, TorchSave, hf_available
 from _report import report
 from _timing import RAW_BLOCK_BYTES, Ctx, Stat, dir_bytes, evict, machine_info, raw_read, raw_write, rmtree
@@ -92,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="before each timed read: evict the files read from the page cache (default), drop "
                         "the whole page cache (root), or leave it warm")
     r.add_argument("--no-hf", action="store_true", help="skip the HF PEFT peer")
+    r.add_argument("--no-s3", action="store_true", help="skip the S3 rows (a local moto S3 server; they need the "
+                   "s3fs and moto packages, else they are skipped)")
     r.add_argument("--no-async-full", action="store_true", help="skip the async full save (needs 2x model RAM)")
     r.add_argument("--keep", action="store_true", help="keep the work directory")
     r.add_argument("--from-json", type=Path, default=None,
@@ -262,6 +266,19 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
                          verify_while_reading=while_reading)
         return (lambda i: ck.load(ours_path(kind), lo)), (lambda i: dirs.evict(ours_path(kind), args.cache))
 
+    s3_base = os.environ.get(_s3.S3_ENV)
+
+    def s3_url(i: int) -> str:
+        return f"{s3_base}/trainable-{i}"
+
+    def s3_save() -> Step:
+        def before(i: int) -> None:
+            ctx.barrier()
+            if i and ctx.rank == 0:
+                _s3.drop(s3_url(i - 1))
+            ctx.barrier()
+        return (lambda i: ck.save(s3_url(i), 1, OBJECTS, options["trainable"])), before
+
     def raw_read_step(kind: str) -> Step:
         path = raw_file(kind, n - 1)
         return (lambda i: raw_read(path, rbuf) if ctx.rank == 0 else None), (lambda i: dirs.evict(path, args.cache))
@@ -276,6 +293,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
         "plain_dcp": save_step(dirs, "plain", plain.save),
         "raw_trainable": raw_step("trainable"),
         "ours_model_only": ours_save("model_only"),
+        **({"s3_trainable": s3_save()} if s3_base else {}),
         **(peers.save_steps() if peers is not None else {}),
     })
     small_loads = ctx.rounds(n, {
@@ -286,6 +304,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
         "raw_trainable": raw_read_step("trainable"),
         "ours_model_only": load("model_only", True),
         "ours_model_only_noverify": load("model_only", False),
+        **({"s3_trainable": ((lambda i: ck.load(s3_url(n - 1))), None)} if s3_base else {}),
         **{f"peer_{k}": v for k, v in (peers.load_steps() if peers is not None else {}).items()},
     })
     full = ctx.rounds(n, {
@@ -318,6 +337,11 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
                               "bytes": dir_bytes(dirs.path("bare-True", n - 1))}
     rows["plain_dcp"] = {"save": small["plain_dcp"].to_dict(), "bytes": dir_bytes(dirs.path("plain", n - 1)),
                          "load": small_loads["plain_dcp"].to_dict()}
+    if s3_base:  # the same checkpoint as ours_trainable, on the S3 server
+        rows["s3_trainable"] = {"save": small["s3_trainable"].to_dict(), "bytes": rows["ours_trainable"]["bytes"],
+                                "load": small_loads["s3_trainable"].to_dict()}
+        if ctx.rank == 0:
+            _s3.drop(s3_url(n - 1))
     if peers is not None:
         rows.update(peers.rows(small, {k.removeprefix("peer_"): v for k, v in small_loads.items()
                                        if k.startswith("peer_")}))
@@ -533,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
                                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(work),
                                "workdir": str(work), "cache": args.cache, "repeats": args.repeats,
                                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    s3 = contextlib.ExitStack()
+    if not args.no_s3 and _s3.available():
+        print(f"[bench] S3 rows against {s3.enter_context(_s3.s3_for_bench(work))} (moto server)", flush=True)
     try:
         config = model_config(args)
         results["model"] = config.to_dict()
@@ -564,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output.write_text(json.dumps(results, indent=2, default=str) + "\n")
         print(f"[bench] wrote {args.output} ({results['wall_s']:.0f} s)")
     finally:
+        s3.close()
         if not args.keep:
             rmtree(work)
     return 0

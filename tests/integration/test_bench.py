@@ -22,7 +22,7 @@ TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-attention-heads", "4"
         "--ffn-hidden-size", "128", "--vocab-size", "256", "--lora-rank", "4", "--repeats", "2",
         "--scaling-layers", "1", "3", "--scaling-hidden-size", "64"]
 ROWS = ["ours_full", "ours_trainable", "ours_model_only", "bare_full", "bare_trainable", "plain_dcp",
-        "torch_save", "torch_save_fsync", "hf_peft", "hf_peft_fsync"]
+        "torch_save", "torch_save_fsync", "hf_peft", "hf_peft_fsync", "s3_trainable"]
 TARGETS = [
     "trainable-only save <= plain DCP save",
     "adapter-only save <= HF PEFT save_pretrained + fsync",
@@ -62,12 +62,13 @@ def _check(r: dict[str, Any], repeats: int, layout: dict[str, int], hf: bool = T
         for load in ("load", "load_noverify"):
             _stat_ok(rows[name][load], repeats)
     _stat_ok(rows["ours_full"]["load_verify_first"], repeats)
-    for name in ("plain_dcp", "torch_save_fsync", *(["hf_peft_fsync"] if hf else [])):
+    for name in ("plain_dcp", "torch_save_fsync", "s3_trainable", *(["hf_peft_fsync"] if hf else [])):
         _stat_ok(rows[name]["load"], repeats)
     # sizes: the adapter without its optimizer < adapter + Adam state < the whole model
     full, trainable, model_only = (rows[f"ours_{k}"]["bytes"] for k in ("full", "trainable", "model_only"))
     assert model_only < trainable < full
     assert abs(rows["bare_trainable"]["bytes"] - trainable) < 0.05 * trainable  # the same entries, no manifest
+    assert rows["s3_trainable"]["bytes"] == trainable  # the same checkpoint, on the S3 server
     assert r["raw"]["full"]["bytes"] == full and r["raw"]["trainable"]["bytes"] == trainable
     for kind in ("full", "trainable"):
         _stat_ok(r["raw"][kind]["write"], repeats)
@@ -101,6 +102,7 @@ def test_bench_one_process_then_rerender(tmp_path: Path) -> None:
     _check(r, repeats=2, layout={"tp": 1, "pp": 1, "dp": 1, "vpp": 1})
     assert r["rows"]["hf_peft"]["same_adapter"] is True
     assert "| target | ratio | limit | met |" in proc.stdout
+    assert "| trainable-only on S3 / on local disk (medians): save x" in proc.stdout
     assert list(work.iterdir()) == []  # the run's checkpoints are gone
     # --from-json measures nothing and prints the same report
     again = _bench(["--from-json", str(out), "--output", str(tmp_path / "again.json")])
