@@ -64,23 +64,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def launch_moto(port: int, detached: bool = False) -> subprocess.Popen[bytes]:
+    """Start moto's S3 server on 127.0.0.1:``port`` and return once it serves (``detached``: in a session of its
+    own, outliving this process). Raises ``RuntimeError`` if it does not come up."""
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=detached)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port} (is moto installed? "
+                                   "pip install 'moto[server]')") from None
+            time.sleep(0.2)
+
+
 @contextmanager
 def s3_server(cache: Path) -> Iterator[S3Server]:
     """Start moto's S3 server on a free port, create the test bucket, yield it; stop it afterwards."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = launch_moto(port)
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto's S3 server did not start on {endpoint}") from None
-                time.sleep(0.2)
         env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_ENDPOINT_URL": endpoint, "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull,
                "PEFTCKPT_CACHE_DIR": str(cache)}

@@ -31,12 +31,16 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 
 @pytest.fixture(scope="module")
 def tp2_runs(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A TP=2 LoRA run saving adapter-only checkpoints to S3 at iterations 3 and 6, and a second launch that
+    """A TP=2 LoRA run saving adapter-only checkpoints to S3 at iterations 3 and 6 (its --load, the same empty
+    location, starts from scratch), and a second launch that
     resumes from S3's iteration 3 with async saves (metrics in a.jsonl / b.jsonl)."""
     tmp = tmp_path_factory.mktemp("tp2")
     common = ["train", *TINY, "--tensor-model-parallel-size", "2", *LORA]
-    peftckpt([*common, "--save", s3.url("first"), "--save-interval", "3", "--metrics-file", str(tmp / "a.jsonl")],
-             2, extra_env=s3.env)
+    first = peftckpt([*common, "--save", s3.url("first"), "--load", s3.url("first"), "--save-interval", "3",
+                      "--metrics-file", str(tmp / "a.jsonl")], 2, extra_env=s3.env)
+    # A --load location with nothing committed yet starts from scratch on every rank (said once).
+    assert (first.stdout + first.stderr).count(f"--load {s3.url('first')} holds no committed checkpoint; "
+                                               "starting from scratch") == 1
     peftckpt([*common, "--load", s3.url("first/iter_0000003"), "--save", s3.url("resumed"), "--async-save",
               "--save-interval", "2", "--metrics-file", str(tmp / "b.jsonl")], 2, extra_env=s3.env)
     return tmp

@@ -63,11 +63,18 @@ def test_readme_commands_run_as_pasted(tmp_path: Path) -> None:
     # PATH as a new shell has it: without this environment's bin, so `source` is what puts torchrun there.
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                            if Path(p).resolve() != Path(sys.executable).parent.resolve())
-    done = subprocess.run(["bash", "-c", script], cwd=checkout, capture_output=True, text=True, timeout=1200,
-                          env={**env(), "PATH": path})
+    run_env = {**env(), "PATH": path, "PEFTCKPT_CACHE_DIR": str(tmp_path / "cache")}
+    try:
+        done = subprocess.run(["bash", "-c", script], cwd=checkout, capture_output=True, text=True, timeout=1200,
+                              env=run_env)
+    finally:  # the S3 section's local server, had the script stopped before its own `stop`
+        subprocess.run([sys.executable, "scripts/local_s3.py", "stop", "--port", "9753"], cwd=checkout,
+                       capture_output=True, env=run_env)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     for ckpt in ("runs/base", "runs/lora", "runs/lora-hf", "runs/lora-imported", "runs/base-imported"):
         report = verify_checkpoint(checkout / ckpt)
         assert report.ok, (ckpt, report.problems)
     assert (checkout / "out/peft/adapter_model.safetensors").is_file()
+    assert (checkout / "out/peft-s3/adapter_model.safetensors").is_file()  # exported from the local S3 server
+    assert "OK s3://my-bucket/lora/iter_0000004" in done.stdout
     assert '"loss"' in done.stdout  # eval --json

@@ -80,8 +80,7 @@ def fetched(comm: Collectives, store: ObjectStore) -> Iterator[tuple[Path, str, 
         3. The caller loads the local copy; library errors naming the copy name the URL instead.
         4. Once every rank is done, the downloading ranks delete their copies.
     """
-    resolved: tuple[str, int, str] | None = None
-    error: BaseException | None = None
+    resolved: tuple[str, int, str] | CheckpointError | None = None
     if comm.rank == 0:  # 1.
         try:
             with warnings.catch_warnings(record=True) as said:
@@ -91,9 +90,15 @@ def fetched(comm: Collectives, store: ObjectStore) -> Iterator[tuple[Path, str, 
                 warnings.warn(w.message, w.category, stacklevel=3)
             resolved = (rel, iteration, secrets.token_hex(6))
         except CheckpointError as e:
-            error = e
-    comm.agree(error)
-    rel, iteration, token = comm.broadcast_from_first(resolved)
+            resolved = e
+    # Rank 0's own error on every rank, of its type: a caller tells "no checkpoint yet" (CheckpointNotFoundError,
+    # e.g. a first --load that starts from scratch) from a real failure the same way on every rank.
+    resolved = comm.broadcast_from_first(resolved)
+    if isinstance(resolved, CheckpointError):
+        resolved.every_rank = True
+        raise resolved
+    assert resolved is not None
+    rel, iteration, token = resolved
     url = store.url_of(rel)
     hosts = comm.gather(socket.gethostname())
     downloads = hosts.index(hosts[comm.rank]) == comm.rank
