@@ -148,6 +148,8 @@ def upload_own_files(c: PendingCommit, rank: int, files: list[Path], records: di
         return
     for path in files:
         path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # the last rank of a node (other than rank 0's) leaves no empty directory
+        c.staging.rmdir()
     c.uploaded = records
 
 
