@@ -22,7 +22,8 @@ BUCKET = "peftckpt-test"
 class S3Server:
     endpoint: str
     env: dict[str, str]
-    """The AWS variables a client needs (credentials, region, endpoint), and a node-local cache directory."""
+    """The AWS variables a client needs (credentials, region, endpoint), a node-local cache directory, and a short
+    run-lock lease (2 s: a rerun after a killed run takes the location over after 1 s)."""
 
     def fs(self) -> Any:
         import s3fs
@@ -91,7 +92,7 @@ def s3_server(cache: Path) -> Iterator[S3Server]:
     try:
         env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_ENDPOINT_URL": endpoint, "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull,
-               "PEFTCKPT_CACHE_DIR": str(cache)}
+               "PEFTCKPT_CACHE_DIR": str(cache), "PEFTCKPT_STORE_LEASE_S": "2"}
         server = S3Server(endpoint, env)
         server.fs().mkdir(BUCKET)
         yield server

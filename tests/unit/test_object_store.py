@@ -1,8 +1,12 @@
 """The library on a real S3-compatible server (moto's, on 127.0.0.1): URLs, retention, re-saving a committed
-iteration (and a re-save interrupted at each step), async saves, the tracker rule and the legacy format."""
+iteration (and a re-save interrupted at each step), async saves, the tracker rule, the run lock across processes."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +23,7 @@ from peftckpt.checkpoint.storage.remote_layout import (
     read_tracker,
     resolve,
 )
+from peftckpt.checkpoint.storage.remote_lock import acquire_remote_lock
 from peftckpt.checkpoint.storage.storage_layout import CheckpointFallbackWarning
 
 from ..s3_server import BUCKET, S3Server, s3_server
@@ -153,3 +158,49 @@ def test_missing_bucket_and_damage_are_one_error_each(s3: S3Server) -> None:
     assert f"{url}/iter_0000001/.metadata: missing" in said
     assert f"{url}/iter_0000001/stray.bin: unexpected object, not listed in the manifest" in said
     ckpt.close()
+
+
+_OTHER_RUN = """
+import sys
+from peftckpt.checkpoint.storage.object_store import ObjectStore
+from peftckpt.checkpoint.storage.remote_lock import acquire_remote_lock
+from peftckpt.checkpoint.storage.save_lock import SaveDirInUseError
+try:
+    acquire_remote_lock(ObjectStore(sys.argv[1])).release()
+except SaveDirInUseError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+def _other_run(url: str) -> subprocess.CompletedProcess[str]:
+    """Another process taking (and releasing) the location's run lock."""
+    return subprocess.run([sys.executable, "-c", _OTHER_RUN, url], capture_output=True, text=True, timeout=120)
+
+
+def test_one_run_per_location_across_processes(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PEFTCKPT_STORE_LEASE_S", "4")  # renewed every 1 s; a newcomer watches for 2 s
+    url = s3.url("lib/lock")
+    store = ObjectStore(url)
+    held = acquire_remote_lock(store)
+    refused = _other_run(url)
+    assert refused.returncode == 3, refused.stderr
+    assert f"save location {url} is in use by another run (host" in refused.stdout
+    assert f"pid {os.getpid()}," in refused.stdout
+    held.release()
+    assert not store.exists(".peftckpt.lock")
+    assert _other_run(url).returncode == 0
+    # A holder that died (its lease object left, never renewed) is taken over after half a lease.
+    store.write_bytes(".peftckpt.lock", b'{"holder": "host gone, pid 1, since then", "sequence": 0}\n')
+    taken = acquire_remote_lock(store)
+    assert f"pid {os.getpid()}," in store.read_bytes(".peftckpt.lock").decode()
+    taken.release()
+    # A run whose lease another run took over commits nothing.
+    ckpt, _ = small_checkpointer()
+    ckpt.lock(url)
+    store.write_bytes(".peftckpt.lock", b'{"holder": "host other, pid 2, since now", "sequence": 0}\n')
+    time.sleep(2.5)  # its next renewal finds the object changed
+    with pytest.raises(CheckpointError, match=f"save location {url} was taken over by another run"):
+        ckpt.save(url, 1)
+    ckpt.close()
+    assert list_committed(store) == []

@@ -78,6 +78,7 @@ from .storage.checksums import (
 from .storage.formats import StorageFormat, StoredCheckpoint, WriteJob, storage_format
 from .storage.manifest import Manifest, read_manifest
 from .storage.object_store import ObjectStore, parse_location, store_error
+from .storage.remote_lock import RemoteLock, acquire_remote_lock
 from .storage.save_lock import SaveDirLock, acquire_save_lock
 from .storage.storage_layout import (
     clean_stale_staging,
@@ -167,7 +168,7 @@ class Checkpointer:
         self._async_pg: dist.ProcessGroup | None = None
         self._host_buffers: dict[str, GlobalTensor] = {}
         """Host copies of the last async save's mutable tensors, reused by the next one."""
-        self._locks: dict[Path, SaveDirLock] = {}
+        self._locks: dict[Path, SaveDirLock | RemoteLock] = {}
         """Save directories this checkpointer locked (rank 0 only), held until :meth:`close`."""
 
     def __enter__(self) -> Checkpointer:
@@ -237,6 +238,7 @@ class Checkpointer:
         commit.remote = remote
         # 2.
         commit.staging, commit.target = self._new_staging(save, iteration, remote)
+        commit.lease = self._locks.get(save) if remote is not None else None
         # 3.
         release: threading.Event | None = None
         error: BaseException | None = None
@@ -318,7 +320,7 @@ class Checkpointer:
         error: BaseException | None = None
         if self.rank == 0:
             try:
-                self.lock(save)  # no other live run saves here, so every staging directory left is stale
+                self.lock(save if remote is None else remote.url)  # no other live run saves here: what is left is stale
                 clean_stale_staging(save)
                 token = secrets.token_hex(6)
                 target = ""
@@ -404,9 +406,10 @@ class Checkpointer:
         Raises:
             SaveDirInUseError: another live process holds it.
             OSError: the directory cannot be created or written."""
-        save, _ = _save_location(save_dir)
+        save, remote = _save_location(save_dir)
         if self.rank == 0 and save not in self._locks:
-            self._locks[save] = acquire_save_lock(save)
+            local = acquire_save_lock(save)
+            self._locks[save] = local if remote is None else acquire_remote_lock(remote, local)
 
     def close(self) -> None:
         """Commit any in-flight async save (collective), then release the save directories' locks, the async

@@ -25,6 +25,8 @@ from .storage.checksums import ChecksummingFileSystem, checksum_files
 from .storage.formats import storage_format
 from .storage.manifest import Manifest
 from .storage.object_store import ObjectStore, store_error
+from .storage.remote_lock import RemoteLock
+from .storage.save_lock import SaveDirLock
 from .storage.storage_layout import apply_retention, commit_staging, read_tracker
 
 __all__ = ["PendingCommit", "commit_checkpoint", "commit_outcome", "own_files", "upload_after_write"]
@@ -64,6 +66,8 @@ class PendingCommit:
     """On a store: where the ranks upload, ``iter_N`` or a re-save's staging prefix (see ``remote_layout``)."""
     uploaded: dict[str, Any] | None = None
     """On a store: this rank's uploaded files' records, once uploaded."""
+    lease: SaveDirLock | RemoteLock | None = None
+    """On a store, rank 0: the run's lease on the location, checked before the manifest is written."""
 
     @property
     def where(self) -> str:
@@ -154,6 +158,8 @@ def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
 def _commit_remote(c: PendingCommit, store: ObjectStore, manifest: Manifest, on_step: Callable[[str], None]
                    ) -> None:
     """Rank 0's part of a commit on a store: the manifest object, the tracker, retention, the empty spool."""
+    if isinstance(c.lease, RemoteLock):
+        c.lease.check()  # another run took the location over: commit nothing
     try:
         remote_layout.commit(store, c.target, c.iteration, manifest.to_json(), on_step=on_step)
         if c.options.keep_last_k:

@@ -7,6 +7,7 @@ import argparse
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..checkpoint.checks.strictness import StrictHandling
 from ..checkpoint.errors import CheckpointError
@@ -14,6 +15,9 @@ from ..checkpoint.storage.manifest import TORCH, TORCH_DIST
 from ..checkpoint.storage.object_store import ObjectStore, is_url, parse_location, url_problem
 from ..checkpoint.storage.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
 from .errors import ArgumentError
+
+if TYPE_CHECKING:
+    from ..checkpoint.storage.remote_lock import RemoteLock
 
 __all__ = ["add_checkpoint_args", "validate_checkpoint_args", "check_checkpoint_paths"]
 
@@ -140,7 +144,7 @@ def _read_dir_problem(flag: str, value: str, must_exist: bool) -> str | None:
     return None
 
 
-def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock | None:
+def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock | RemoteLock | None:
     """Before any model is built or any iteration runs (collective): every rank checks that ``--load`` and
     ``--pretrained-checkpoint`` are readable and that ``--save`` (and ``--ckpt-convert-save``) is, or can be
     created as, a writable directory; rank 0 then locks the save directory for the run's life (creating it; a
@@ -175,19 +179,25 @@ def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock |
         ranks = [r for r, ps in enumerate(found) if ps]
         where = "" if len(found) == 1 else f" (seen by rank(s) {', '.join(map(str, ranks))})"
         raise ArgumentError("; ".join(lines) + where)
-    lock: SaveDirLock | None = None
+    lock: SaveDirLock | RemoteLock | None = None
     error: tuple[bool, str] | None = None
     target = args.ckpt_convert_save if args.ckpt_convert_format else args.save
     if rank == 0 and target:
         from ..checkpoint.remote import spool_dir
+        from ..checkpoint.storage.remote_lock import acquire_remote_lock
 
         location = parse_location(target, "--save")
         try:
-            lock = acquire_save_lock(spool_dir(location) if isinstance(location, ObjectStore) else location)
+            if isinstance(location, ObjectStore):
+                lock = acquire_remote_lock(location, acquire_save_lock(spool_dir(location)))
+            else:
+                lock = acquire_save_lock(location)
         except SaveDirInUseError as e:
             error = (True, str(e))
         except OSError as e:
             error = (False, f"cannot lock save directory {target}: {e.strerror or e}")
+        except CheckpointError as e:
+            error = (False, f"cannot lock save location {target}: {e}")
     errors = [e for e in comm.gather(error) if e]
     if errors:
         in_use, message = errors[0]

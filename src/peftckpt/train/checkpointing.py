@@ -185,6 +185,11 @@ class TrainerCheckpointing:
         return (f"{said}; last committed checkpoint: {join(a.save, iteration_dirname(last))}; "
                 "rerun the same command to resume")
 
+    def close(self) -> None:
+        """Commit a save still in flight and drop the checkpointer's references to the run lock (collective;
+        on an object store the last reference deletes the lease object, see ``remote_lock``)."""
+        self.ckpt.close()
+
     def convert(self) -> None:
         """``--ckpt-convert-format``: re-save what ``--load`` restored in the other format."""
         self.save(self.args.ckpt_convert_save, self.args.ckpt_convert_format)

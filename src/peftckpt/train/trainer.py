@@ -285,6 +285,7 @@ class Trainer:
         ckpt.restore()
         if self.args.ckpt_convert_format:
             ckpt.convert()
+            ckpt.close()
             return []
         for iteration, _ in self.iterations():
             ckpt.maybe_save()
@@ -293,6 +294,8 @@ class Trainer:
         stop = self.stop.agreed()
         if stop is not None:
             message = ckpt.stop(stop)
+            ckpt.close()
             raise RunStopped(message, stop.exit_code)
         ckpt.finish()
+        ckpt.close()
         return self.losses
