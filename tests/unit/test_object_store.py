@@ -179,7 +179,7 @@ def _other_run(url: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_one_run_per_location_across_processes(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PEFTCKPT_STORE_LEASE_S", "4")  # renewed every 1 s; a newcomer watches for 2 s
+    monkeypatch.setenv("PEFTCKPT_STORE_LEASE_S", "8")  # renewed every 2 s; a newcomer watches for 4 s
     url = s3.url("lib/lock")
     store = ObjectStore(url)
     held = acquire_remote_lock(store)
@@ -199,7 +199,7 @@ def test_one_run_per_location_across_processes(s3: S3Server, monkeypatch: pytest
     ckpt, _ = small_checkpointer()
     ckpt.lock(url)
     store.write_bytes(".peftckpt.lock", b'{"holder": "host other, pid 2, since now", "sequence": 0}\n')
-    time.sleep(2.5)  # its next renewal finds the object changed
+    time.sleep(4.5)  # its next renewal finds the object changed
     with pytest.raises(CheckpointError, match=f"save location {url} was taken over by another run"):
         ckpt.save(url, 1)
     ckpt.close()
