@@ -107,9 +107,7 @@ def fetched(comm: Collectives, store: ObjectStore) -> Iterator[tuple[Path, str, 
     error = None
     if downloads:  # 2.
         try:
-            manifest, data = read_remote_manifest(store, rel)
-            problems = fetch_files(store, rel, manifest, local)
-            (local / MANIFEST_FILENAME).write_bytes(data)
+            problems = _download(store, rel, local)[1]
         except (CheckpointError, OSError) as e:
             error = e
     comm.agree(error)
@@ -197,14 +195,27 @@ class FetchedCopy:
         """``text`` with the local copy's path replaced by the URL."""
         return text.replace(str(self.local), self.url)
 
+    def with_local_problems(self, found: list[str]) -> list[str]:
+        """The download's problems, then ``found`` on the local copy (renamed to URLs) except those about an
+        object the download already reported: absent from the copy, its local "missing" adds nothing."""
+        bad = {p.split(": ", 1)[0] for p in self.problems}
+        return self.problems + [p for p in map(self.rename, found) if p.split(": ", 1)[0] not in bad]
+
 
 def fetch_copy(store: ObjectStore) -> FetchedCopy:
     """Resolve ``store`` (a checkpoint or a save location) and download its committed checkpoint into a fresh
     local copy, every object verified as it streams; the copy is deleted when the process exits."""
     rel, iteration = resolve(store)
-    manifest, data = read_remote_manifest(store, rel)
     local = cache_root() / "fetch" / secrets.token_hex(6) / iteration_dirname(iteration)
     atexit.register(shutil.rmtree, local.parent, True)
+    manifest, problems = _download(store, rel, local)
+    return FetchedCopy(local, store.url_of(rel), iteration, manifest, problems)
+
+
+def _download(store: ObjectStore, rel: str, local: Path) -> tuple[Manifest, list[str]]:
+    """The checkpoint ``rel`` of ``store`` into ``local``: its recorded objects, verified as they stream, then its
+    manifest; returns the manifest and the bad objects (named by URL)."""
+    manifest, data = read_remote_manifest(store, rel)
     problems = fetch_files(store, rel, manifest, local)
     (local / MANIFEST_FILENAME).write_bytes(data)
-    return FetchedCopy(local, store.url_of(rel), iteration, manifest, problems)
+    return manifest, problems

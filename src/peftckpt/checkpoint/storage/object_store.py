@@ -91,10 +91,6 @@ class ObjectStore:
     def __str__(self) -> str:
         return self.url
 
-    def child(self, rel: str) -> ObjectStore:
-        """The location ``rel`` below this one."""
-        return ObjectStore(self.url_of(rel))
-
     def key(self, rel: str = "") -> str:
         return f"{self.root}/{rel}" if rel else self.root
 

@@ -683,9 +683,7 @@ def _inspect_remote(store: ObjectStore) -> InspectReport:
     except CheckpointError as exc:  # a garbled tracker or manifest
         return InspectReport(store.url, "checkpoint", CORRUPTED, [str(exc)])
     ckpt = inspect_checkpoint(copy.local, verify_checksums=False)
-    bad = {p.split(": ", 1)[0] for p in copy.problems}
-    reasons = [r for r in map(copy.rename, ckpt.reasons) if r.split(": ", 1)[0] not in bad]
-    ckpt.reasons = list(copy.problems) + reasons
+    ckpt.reasons = copy.with_local_problems(ckpt.reasons)
     ckpt.notes = [copy.rename(n) for n in ckpt.notes if "--no-verify-checksums" not in n]
     ckpt.checksums_verified = True
     ckpt.path = copy.url  # type: ignore[assignment]

@@ -96,13 +96,10 @@ def _verify_remote(store: ObjectStore) -> VerifyReport:
     copy = fetch_copy(store)
     manifest = copy.manifest
     report = VerifyReport(path=copy.url, iteration=copy.iteration, num_files=len(manifest.files),
-                          total_bytes=manifest.total_bytes, problems=list(copy.problems))
-    bad = {p.split(": ", 1)[0] for p in copy.problems}
+                          total_bytes=manifest.total_bytes)
     try:
         structure = storage_format(manifest.format, f"checkpoint {copy.url}").structure_problems(copy.local, manifest)
     except UnsafeCheckpointError as exc:
         structure = [str(exc)]
-    # A file the download already reported is absent from the copy: its local "missing" adds nothing.
-    report.problems += [p for p in map(copy.rename, structure) if p.split(": ", 1)[0] not in bad]
-    report.problems = list(dict.fromkeys(report.problems))
+    report.problems = list(dict.fromkeys(copy.with_local_problems(structure)))
     return report
