@@ -1,10 +1,13 @@
-"""How a save frames its tensors: a blocking save skips the zip CRC32 (the manifest's SHA-256 covers the
-bytes), the result stays readable by plain ``torch.load`` / plain DCP, and the process-wide switch is
-restored -- an async save, which runs while training goes on, leaves it alone."""
+"""How a save frames its tensors: ``torch.save``-compatible records written from the tensor's memory (the pickle
+byte for byte ``torch.save``'s, the zip CRC32 left 0 as ``torch.save`` leaves it with the switch off: the
+manifest's checksums and the block index cover the bytes), readable by plain ``torch.load`` / plain DCP, for
+blocking and async saves alike; the process-wide switch is restored, and an async save never touches it."""
 
 from __future__ import annotations
 
 import io
+import math
+import struct
 import zipfile
 from pathlib import Path
 
@@ -13,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from peftckpt.checkpoint.api import Checkpointer, SaveOptions
+from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
+from peftckpt.checkpoint.errors import CheckpointIntegrityError
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 from tests.integration.cli import read_dcp_tensors
 
@@ -63,9 +67,72 @@ def test_blocking_save_skips_zip_crc32_and_restores_the_switch(tmp_path: Path, u
         assert torch.equal(plain[f"model.{name}"], tensor), name
 
 
-def test_async_save_keeps_zip_crc32(tmp_path: Path) -> None:
-    ckpt, _ = _checkpointer()
+def test_async_save_frames_like_a_blocking_save_and_leaves_the_switch(tmp_path: Path) -> None:
+    ckpt, model = _checkpointer()
     path = ckpt.save(tmp_path, 1, options=SaveOptions(async_save=True))
     ckpt.wait()
     assert torch.serialization.get_crc32_options() is True
-    assert 0 not in _data_crcs(path).values()
+    assert set(_data_crcs(path).values()) == {0}
+    plain = read_dcp_tensors(path, "model.")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(plain[f"model.{name}"], tensor), name
+
+
+CASES = [((3, 5), torch.float32), ((7,), torch.bfloat16), ((2, 3, 4), torch.float16), ((), torch.float32),
+         ((0, 4), torch.float32), ((5,), torch.bool), ((4, 2), torch.int64), ((3,), torch.uint8),
+         ((2, 2), torch.complex64), ((6,), torch.int8)]
+
+
+@pytest.mark.parametrize("shape,dtype", CASES, ids=[f"{d}-{list(s)}" for s, d in CASES])
+def test_records_are_what_torch_save_writes(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """The record's pickle is ``torch.save``'s byte for byte; ``torch.load`` (weights_only) reads the record as
+    the same tensor; the tensor bytes sit where the record says, 64-byte aligned inside it."""
+    from peftckpt.checkpoint.storage.framing import tensor_bytes, tensor_record
+
+    tensor = (torch.arange(math.prod(shape)) % 7).to(dtype).reshape(shape)
+    record = tensor_record(tensor)
+    assert record is not None
+    blob = record.prefix + bytes(tensor_bytes(tensor)) + record.suffix
+    loaded = torch.load(io.BytesIO(blob), weights_only=True)
+    assert loaded.dtype == dtype and loaded.shape == tensor.shape and torch.equal(loaded, tensor)
+    reference = io.BytesIO()
+    torch.save(tensor, reference)
+    assert _stored(blob, "archive/data.pkl") == _stored(reference.getvalue(), "archive/data.pkl")
+    assert _stored(blob, "archive/data/0") == bytes(tensor_bytes(tensor))
+    assert len(record.prefix) % 64 == 0
+
+
+def _stored(blob: bytes, name: str) -> bytes:
+    """A stored zip entry's bytes, found through the central directory (``ZipFile.read`` would check the CRC32,
+    which both ``torch.save`` with the switch off and our records leave 0)."""
+    info = zipfile.ZipFile(io.BytesIO(blob)).getinfo(name)
+    name_len, extra_len = struct.unpack("<HH", blob[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    return blob[start:start + info.file_size]
+
+
+def test_checkpoints_without_the_new_framing_still_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Items framed by ``torch.save`` (an earlier release's, or a tensor the framing leaves to it) and data files
+    without a block index load through the stock path, verified by their whole-file checksums."""
+    from peftckpt.checkpoint.storage import dcp_writer, framing
+
+    source, model = _checkpointer()
+    with monkeypatch.context() as m:  # every tensor framed by torch.save, and no block index: as earlier releases
+        m.setattr(dcp_writer, "tensor_record", lambda tensor: None)
+        m.setattr(dcp_writer, "encode_index", lambda items: b"")
+        old = source.save(tmp_path / "old", 1, {"step": 1})
+    with open(old / "__0_0.distcp", "rb") as f:
+        assert framing.read_index(f.fileno(), (old / "__0_0.distcp").stat().st_size, verify=True) is None
+    target, fresh = _checkpointer()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    assert target.load(tmp_path / "old", LoadOptions(objects=["step"])).objects == {"step": 1}
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    # and the same file, damaged, is still caught (by its whole-file checksum)
+    data = bytearray((old / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 1
+    (old / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match="__0_0.distcp: xxh3_128 checksum mismatch"):
+        target.load(tmp_path / "old")

@@ -75,6 +75,7 @@ from .storage.checksums import (
     verify_checksums,
     verify_files,
 )
+from .storage.dcp_reader import has_block_index
 from .storage.formats import StorageFormat, StoredCheckpoint, WriteJob, storage_format
 from .storage.manifest import Manifest, read_manifest
 from .storage.object_store import ObjectStore, parse_location, store_error
@@ -449,7 +450,9 @@ class Checkpointer:
         self.comm.agree(error)
         self._raise_if_damaged(pending, problems)
         if options.verify_checksums and later:
-            rels = [rel for rel in files_share(manifest, shard) if is_data_file(rel)]
+            # A data file with a block index is verified by the read itself, block by block, as it is read.
+            rels = [rel for rel in files_share(manifest, shard)
+                    if is_data_file(rel) and not has_block_index(ckpt / rel)]
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-verify")
             pending.future = executor.submit(verify_checksums, ckpt, manifest, rels)
             executor.shutdown(wait=False)
@@ -517,7 +520,7 @@ class Checkpointer:
         if not manifest.trainable_only:
             self._fingerprints.clear()  # a full checkpoint replaces the base too
         # 4.
-        stored = self._open(fmt, ckpt, manifest)
+        stored = self._open(fmt, ckpt, manifest, options)
         self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
         report = self._check_keys(ckpt, manifest, stored, request, options, with_optim)
         wanted = self._objects_to_read(manifest, stored.object_keys, object_keys, options, model_only, with_optim,
@@ -560,12 +563,14 @@ class Checkpointer:
                     request.pop(k)
         return request, with_optim
 
-    def _open(self, fmt: StorageFormat, ckpt: Path, manifest: Manifest) -> StoredCheckpoint:
-        """Open the checkpoint in its format for this rank (collective: a refusal is every rank's)."""
+    def _open(self, fmt: StorageFormat, ckpt: Path, manifest: Manifest, options: LoadOptions) -> StoredCheckpoint:
+        """Open the checkpoint in its format for this rank (collective: a refusal is every rank's); what it reads
+        is verified as it is read unless :meth:`_resolve` hashed every file first (or nothing is verified)."""
         stored: StoredCheckpoint | None = None
         error: BaseException | None = None
         try:
-            stored = fmt.open(ckpt, manifest, self.layout, self.coords, self.comm.group)
+            verify = options.verify_checksums and options.verify_while_reading
+            stored = fmt.open(ckpt, manifest, self.layout, self.coords, self.comm.group, verify)
         except BaseException as e:  # noqa: BLE001 - refused, or a file unreadable since it was verified
             error = as_read_error(e, ckpt)
         self.comm.agree(error)
@@ -664,16 +669,17 @@ class Checkpointer:
         failure on any rank is raised on every rank (a damaged file first: it explains a failed read).
         ``fingerprinting`` is handed each piece as soon as it is read."""
         error: BaseException | None = None
+        problems: list[str] = []
         try:
-            stored.read(request, None if fingerprinting is None else fingerprinting.add)
+            problems = stored.read(request, None if fingerprinting is None else fingerprinting.add)
         except BaseException as e:  # noqa: BLE001 - reported collectively
             error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
         if verification.future is not None:
             try:
-                problems = verification.future.result()
+                problems += verification.future.result()
             except OSError as e:  # a file gone or unreadable since it was checked: still a collective report
-                problems = [f"{getattr(e, 'filename', None) or verification.ckpt}: cannot be read to verify: {e}"]
-            self._raise_if_damaged(verification, problems, after_read=True)
+                problems.append(f"{getattr(e, 'filename', None) or verification.ckpt}: cannot be read to verify: {e}")
+        self._raise_if_damaged(verification, problems, after_read=True)
         self.comm.agree(error)
 
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
@@ -753,7 +759,7 @@ class Checkpointer:
         fmt = storage_format(manifest.format, f"--pretrained-checkpoint {ckpt}")
         if not fmt.reshards:
             raise CheckpointFormatError(f"--pretrained-checkpoint {ckpt} must be torch_dist, got {manifest.format!r}")
-        stored = self._open(fmt, ckpt, manifest)
+        stored = self._open(fmt, ckpt, manifest, options)
         request = self._build(False, False).tensors()
         self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
         absent = [k for k in request if k not in stored.tensor_shapes]

@@ -57,6 +57,8 @@ class PendingCommit:
     """The background write of an async save."""
     checksums: ChecksummingFileSystem | None = None
     """Digests of the DCP files, taken while they were written."""
+    metadata: Any = None
+    """The DCP metadata the write recorded (rank 0), checked by the commit without reading it back."""
     committed: bool = False
     error: BaseException | None = None
     """Why the save failed (an async save's handle raises it again)."""
@@ -197,7 +199,7 @@ def build_manifest(c: PendingCommit, records: list[tuple[dict[str, Any], dict[st
         except Exception as e:  # noqa: BLE001
             raise store_error(e, c.remote.url_of(c.target), "the uploaded checkpoint") from None
     problems = storage_format(c.options.ckpt_format, "SaveOptions.ckpt_format").written_problems(
-        c.staging, files, saved_keys, held, stored)
+        c.staging, files, saved_keys, held, stored, c.metadata)
     if c.remote is not None and stored is not None:
         problems += [f"{c.remote.url_of(f'{c.target}/{rel}')}: uploaded with {stored.get(rel, 'no')} bytes, "
                      f"{rec['size']} were written" for rel, rec in sorted(files.items()) if stored.get(rel) != rec["size"]]

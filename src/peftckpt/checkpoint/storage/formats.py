@@ -22,19 +22,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ...sharding.entries import LazyGlobalTensor
 from ..async_save import host_copy
 from ..checks.integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems, unwritten_pieces
 from ..errors import CheckpointError, CheckpointFormatError
 from ..faults import fault_point
 from .checksums import ChecksummingFileSystem
+from .dcp_reader import RangedFileSystemReader
+from .dcp_writer import FramedFileSystemWriter, save_state_dict
 from .legacy import LegacyRankFile, rank_file, save_rank_file
 from .manifest import TORCH, TORCH_DIST, Manifest
 from .planners import EntryLoadPlanner, EntrySavePlanner
-from .safe_pickle import SafeFileSystemReader, load_dcp_metadata
+from .safe_pickle import load_dcp_metadata
 
 if TYPE_CHECKING:
     from ..commit import PendingCommit
@@ -74,9 +74,10 @@ class StoredCheckpoint(Protocol):
     """The keys are this rank's own (a file per rank), not the whole checkpoint's."""
 
     def read(self, request: dict[str, Any], on_piece: Callable[[str, tuple[int, ...], torch.Tensor], None] | None = None
-             ) -> None:
+             ) -> list[str]:
         """Read the request in place: tensor entries into their pieces (``on_piece(key, offsets, tensor)`` is
-        called with each piece once read), object keys replaced by the stored objects."""
+        called with each piece once read), object keys replaced by the stored objects. Returns the damage the
+        read found while verifying what it read (one message per damaged region, naming the file)."""
         ...
 
 
@@ -105,15 +106,17 @@ class StorageFormat(Protocol):
 
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
                          held: Mapping[str, list[tuple[int, list[int], list[int]]]],
-                         stored: Mapping[str, int] | None = None) -> list[str]:
+                         stored: Mapping[str, int] | None = None, metadata: Any = None) -> list[str]:
         """Why the written staging directory is not a whole checkpoint (rank 0, before the commit). ``stored``:
-        the sizes of the files as uploaded to an object store (else the files in ``staging`` are examined)."""
+        the sizes of the files as uploaded to an object store (else the files in ``staging`` are examined);
+        ``metadata``: what the write recorded of its files, if it kept it (else it is read back)."""
         ...
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
-             group: dist.ProcessGroup | None) -> StoredCheckpoint:
+             group: dist.ProcessGroup | None, verify: bool = True) -> StoredCheckpoint:
         """Open the committed checkpoint ``root`` for a load by the rank at ``coords`` of ``layout`` (raises
-        ``CheckpointMismatchError`` where the format cannot load at that layout)."""
+        ``CheckpointMismatchError`` where the format cannot load at that layout). ``verify``: check what is read
+        against digests recorded with it, where the format records them (else the caller hashed the files)."""
         ...
 
     def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
@@ -150,17 +153,14 @@ class TorchDistFormat:
 
     def write(self, job: WriteJob) -> threading.Event | None:
         c = job.commit
-        streamed = any(isinstance(v, LazyGlobalTensor) for v in job.flat.values())
-        # Lazy entries need DCP's serial loader (one item resolved, then written, then the next; see
-        # EntrySavePlanner); it is the only one without CUDA, and copy-ahead 0 selects it with CUDA.
-        writer = FileSystemWriter(c.staging, sync_files=True, thread_count=1,
-                                  per_thread_copy_ahead=0 if streamed else 10_000_000)
-        # Checksum each file as it is written (overlapping serialisation, I/O and hashing).
+        # One item resolved, framed and written at a time (lazy entries stream; see EntrySavePlanner).
+        writer = FramedFileSystemWriter(c.staging, sync_files=True)
+        # Checksum each file as it is written (overlapping I/O and hashing).
         writer.fs = c.checksums = ChecksummingFileSystem()
         planner = EntrySavePlanner(on_item=lambda: fault_point("data", job.rank, c.iteration))
         if not c.options.async_save:
-            with no_zip_crc32():
-                dcp.save(job.flat, storage_writer=writer, planner=planner, process_group=job.group)
+            with no_zip_crc32():  # for objects, and any tensor the framing leaves to torch.save
+                c.metadata = save_state_dict(job.flat, writer, planner, job.group)
             return None
         # Training is blocked only for the copy to host memory; DCP plans and writes in a thread of its own
         # (plain `dcp.save` there: `dcp.async_save` would still walk every entry on this thread first).
@@ -172,7 +172,7 @@ class TorchDistFormat:
 
         def write() -> Any:
             release.wait()
-            result = dcp.save(snapshot, storage_writer=writer, planner=planner, process_group=group)
+            result = c.metadata = save_state_dict(snapshot, writer, planner, group)
             check_frozen_unchanged()
             if job.after_write is not None:
                 job.after_write()
@@ -189,29 +189,31 @@ class TorchDistFormat:
 
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
                          held: Mapping[str, list[tuple[int, list[int], list[int]]]],
-                         stored: Mapping[str, int] | None = None) -> list[str]:
+                         stored: Mapping[str, int] | None = None, metadata: Any = None) -> list[str]:
         try:
-            metadata = load_dcp_metadata(staging / DCP_METADATA_FILENAME)
+            if metadata is None:
+                metadata = load_dcp_metadata(staging / DCP_METADATA_FILENAME)
             return storage_problems(staging, metadata, dict(files), dict(saved_keys), stored) + unwritten_pieces(
                 metadata, dict(held))
         except CheckpointError as e:  # e.g. the staging directory was removed under the save
             return [str(e)]
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
-             group: dist.ProcessGroup | None) -> StoredCheckpoint:
-        return _DcpCheckpoint(root, group)
+             group: dist.ProcessGroup | None, verify: bool = True) -> StoredCheckpoint:
+        return _DcpCheckpoint(root, group, verify)
 
     def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
         return dcp_problems(root, manifest)
 
 
 class _DcpCheckpoint:
-    """A DCP checkpoint opened for a (resharding) load: its metadata's keys, read with ``dcp.load``."""
+    """A DCP checkpoint opened for a (resharding) load: its metadata's keys, read with ``dcp.load`` through the
+    ranged reader (each rank reads the bytes of its pieces, verified by block where the files are indexed)."""
 
     per_rank = False
 
-    def __init__(self, root: Path, group: dist.ProcessGroup | None) -> None:
-        self._reader = SafeFileSystemReader(root)
+    def __init__(self, root: Path, group: dist.ProcessGroup | None, verify: bool) -> None:
+        self._reader = RangedFileSystemReader(root, verify)
         self._group = group
         stored = self._reader.read_metadata().state_dict_metadata
         self.tensor_shapes: dict[str, list[int] | None] = {
@@ -219,8 +221,9 @@ class _DcpCheckpoint:
         self.object_keys = {k for k, md in stored.items() if isinstance(md, BytesStorageMetadata)}
 
     def read(self, request: dict[str, Any], on_piece: Callable[[str, tuple[int, ...], torch.Tensor], None] | None = None
-             ) -> None:
+             ) -> list[str]:
         dcp.load(request, storage_reader=self._reader, process_group=self._group, planner=EntryLoadPlanner(on_piece))
+        return self._reader.problems
 
 
 class LegacyTorchFormat:
@@ -246,11 +249,11 @@ class LegacyTorchFormat:
 
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
                          held: Mapping[str, list[tuple[int, list[int], list[int]]]],
-                         stored: Mapping[str, int] | None = None) -> list[str]:
+                         stored: Mapping[str, int] | None = None, metadata: Any = None) -> list[str]:
         return []  # each file is one rank's whole state; the manifest's checksums cover them
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
-             group: dist.ProcessGroup | None) -> StoredCheckpoint:
+             group: dist.ProcessGroup | None, verify: bool = True) -> StoredCheckpoint:
         return LegacyRankFile(root, manifest, layout, coords)
 
     def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:

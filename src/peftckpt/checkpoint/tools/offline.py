@@ -30,10 +30,10 @@ from ..remote import fetch_copy, renamed_error
 from ..state.fingerprint import FINGERPRINT_VERSION, base_fingerprint
 from ..state.sections import MODEL
 from ..storage.checksums import verify_files
+from ..storage.dcp_reader import RangedFileSystemReader
 from ..storage.formats import storage_format
 from ..storage.manifest import Manifest, read_manifest
 from ..storage.object_store import ObjectStore, parse_location
-from ..storage.safe_pickle import SafeFileSystemReader
 from ..storage.storage_layout import resolve_checkpoint_dir
 
 __all__ = ["OfflineCheckpoint", "TensorSource", "open_checkpoint", "lazy_entries", "lazy_fingerprint"]
@@ -56,7 +56,7 @@ class OfflineCheckpoint:
 
     def model_tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """``{model name: global tensor}`` of the model section (all of it, or ``names``)."""
-        reader = SafeFileSystemReader(self.path)
+        reader = RangedFileSystemReader(self.path, verify=False)  # verified when it was resolved
         metadata = reader.read_metadata()
         prefix = MODEL + "."
         available = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items()

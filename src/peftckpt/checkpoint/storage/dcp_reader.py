@@ -1,0 +1,280 @@
+"""The DCP storage reader of loads: each rank reads only the bytes it needs, into the model, verifying them.
+
+DCP's stock reader ``torch.load``\\ s every stored item it touches *whole* into fresh memory, narrows it to the
+requested region and copies that into the model: a TP rank reads all of a row-sharded tensor for half of it,
+and every byte is copied twice. :class:`RangedFileSystemReader` uses the block index at the end of each data
+file (:mod:`~peftckpt.checkpoint.storage.framing`):
+
+1. For each requested region it computes the byte range of the stored tensor that holds it -- the rows of a
+   row-sharded piece, the span of rows a column split touches -- widened to whole verification blocks.
+2. Where the region is contiguous in the file and the destination is a contiguous tensor of the stored dtype
+   (the common case: a whole item, or rows of one), one ``preadv`` puts the bytes straight into the destination's
+   memory, the block edges into small side buffers. Otherwise the span goes into one buffer and the region is
+   copied out of it (a column split; a dtype change).
+3. Every block read is checked against its recorded XXH3-64 digest (a whole item's framing too); a mismatch is
+   a problem naming the file and the key (:attr:`problems`), reported by the load after the read, as the
+   whole-file checksums were.
+
+Several items are read at once (a small thread pool; ``preadv`` releases the GIL). Objects are read whole and
+go through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a block
+index (stock DCP's, earlier peftckpt's), items the index does not list, and a file whose index is damaged
+(reported, when verifying) are read by the stock path. Reads stay inside the recorded sizes: an index entry must
+lie inside its file and agree with the ``.metadata``'s item and chunk, or the stock path reads that item.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future as PoolFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from .framing import BLOCK_BYTES, INDEX_ALGORITHM, BlockIndexError, IndexedItem, read_index, tensor_bytes
+from .safe_pickle import SafeFileSystemReader, _SafeBytesPlanner
+
+__all__ = ["RangedFileSystemReader", "has_block_index"]
+
+_READ_THREADS = 4
+
+
+def has_block_index(path: Path) -> bool:
+    """Whether data file ``path`` ends with a block index (its items are verified as they are read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return read_index(fd, os.fstat(fd).st_size, verify=False) is not None
+    except (OSError, BlockIndexError):
+        return False
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Span:
+    """Bytes of one item to read: ``[start, end)`` of its data, widened to blocks ``[first, last)``."""
+
+    start: int
+    end: int
+    first: int
+    last: int
+    block_start: int
+    block_end: int
+
+
+def _read_exactly(fd: int, views: Sequence[memoryview], offset: int) -> int:
+    """``preadv`` into ``views`` until they are full; the bytes read (fewer only at the end of the file)."""
+    views = [v for v in views if len(v)]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, offset + total)
+        if n <= 0:
+            break
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
+
+
+def _digests(segments: Sequence[memoryview], sizes: Sequence[int]) -> list[int]:
+    """XXH3-64 of consecutive pieces of ``sizes`` bytes of the concatenated ``segments``."""
+    out = []
+    seg, pos = 0, 0
+    for size in sizes:
+        if seg < len(segments) and pos + size <= len(segments[seg]):  # within one segment: one call
+            out.append(xxhash.xxh3_64_intdigest(segments[seg][pos:pos + size]))
+            pos += size
+        else:
+            h = xxhash.xxh3_64()
+            left = size
+            while left:
+                take = min(left, len(segments[seg]) - pos)
+                h.update(segments[seg][pos:pos + take])
+                left -= take
+                pos += take
+                if pos == len(segments[seg]):
+                    seg, pos = seg + 1, 0
+            out.append(h.intdigest())
+        if seg < len(segments) and pos == len(segments[seg]):
+            seg, pos = seg + 1, 0
+    return out
+
+
+class RangedFileSystemReader(SafeFileSystemReader):
+    """``SafeFileSystemReader`` reading requested regions in place, verified by block (module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
+        super().__init__(path)
+        self.verify = verify
+        self.problems: list[str] = []
+        """Damage found while reading: one message per damaged file region."""
+        self.bytes_read = 0
+        """Bytes this reader read from data files by ranges (the stock path's reads not included)."""
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, list[int]]] = {}
+        self._lock = threading.Lock()
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    self._chunks[(fqn, tuple(chunk.offsets))] = (md.properties.dtype, list(chunk.sizes))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        safe = cast(LoadPlanner, _SafeBytesPlanner(planner, self))
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        stock: list[ReadItem] = []
+        with ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="peftckpt-read") as pool:
+            for rel, items in per_file.items():
+                path = Path(str(self.fs.concat_path(self.path, rel)))
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    index = self._index(fd, path)
+                    items = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
+                    jobs: list[tuple[ReadItem, PoolFuture[Any]]] = []
+                    for item in items:
+                        entry = self._entry(index, item)
+                        if entry is None:
+                            stock.append(item)
+                        elif item.type == LoadItemType.BYTE_IO:
+                            jobs.append((item, pool.submit(self._read_object, fd, path, item, entry)))
+                        else:
+                            target = planner.resolve_tensor(item).detach()
+                            jobs.append((item, pool.submit(self._read_tensor, fd, path, item, entry, target)))
+                    for item, job in jobs:  # the planner is told in order, on this thread
+                        value = job.result()
+                        if item.type == LoadItemType.BYTE_IO:
+                            safe.load_bytes(item, value)
+                        else:
+                            planner.commit_tensor(item, value)
+                finally:
+                    os.close(fd)
+        if stock:
+            super().read_data(replace(plan, items=stock), planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    # ------------------------------------------------------------------------------------------- lookup
+    def _index(self, fd: int, path: Path) -> dict[int, IndexedItem] | None:
+        try:
+            return read_index(fd, os.fstat(fd).st_size, self.verify)
+        except BlockIndexError as e:
+            if self.verify:
+                self.problems.append(f"{path}: {e}")
+            return None
+
+    def _entry(self, index: dict[int, IndexedItem] | None, item: ReadItem) -> IndexedItem | None:
+        """The index entry of ``item`` if it agrees with the ``.metadata`` (else the stock path reads it)."""
+        if index is None:
+            return None
+        info = cast(_StorageInfo, self.storage_data[item.storage_index])
+        entry = index.get(info.offset)
+        if entry is None or entry.length != info.length or info.transform_descriptors:
+            return None
+        if item.type == LoadItemType.BYTE_IO:
+            return entry if entry.data_offset == entry.offset + entry.length else None
+        chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+        if chunk is None or math.prod(chunk[1]) * chunk[0].itemsize != entry.data_length:
+            return None
+        return entry
+
+    # --------------------------------------------------------------------------------------------- reads
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
+    def _check(self, path: Path, what: str, entry: IndexedItem, positions: Sequence[int], got: Sequence[int]) -> None:
+        for pos, digest in zip(positions, got):
+            expected = entry.digests[pos]
+            if digest != expected:
+                part = "framing" if pos in (0, len(entry.digests) - 1) else f"block {pos - 1}"
+                self.problems.append(f"{path}: {INDEX_ALGORITHM} checksum mismatch in the bytes of {what} "
+                                     f"({part} of the item at offset {entry.offset}): expected {expected:016x}, "
+                                     f"got {digest:016x}")
+
+    def _read_object(self, fd: int, path: Path, item: ReadItem, entry: IndexedItem) -> io.BytesIO:
+        data = bytearray(entry.length)
+        n = _read_exactly(fd, [memoryview(data)], entry.offset)
+        self._count(n)
+        if n != entry.length:
+            raise EOFError(f"{path}: {entry.length} bytes of {item.storage_index.fqn!r} expected, {n} read")
+        if self.verify:
+            self._check(path, repr(item.storage_index.fqn), entry, [0], [xxhash.xxh3_64_intdigest(data)])
+        return io.BytesIO(bytes(data))
+
+    def _span(self, entry: IndexedItem, item: ReadItem, dtype: torch.dtype, sizes: list[int]) -> tuple[_Span, bool]:
+        """The data bytes holding the requested region, and whether the region is exactly those bytes."""
+        offsets, lengths = list(item.storage_offsets), list(item.lengths)
+        strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
+        itemsize = dtype.itemsize
+        first_elem = sum(o * s for o, s in zip(offsets, strides))
+        last_elem = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides)) if math.prod(lengths) else first_elem - 1
+        start, end = first_elem * itemsize, (last_elem + 1) * itemsize
+        contiguous = end - start == math.prod(lengths) * itemsize
+        first, last, block_start, block_end = entry.block_range(start, end)
+        return _Span(start, end, first, last, block_start, block_end), contiguous
+
+    def _read_tensor(self, fd: int, path: Path, item: ReadItem, entry: IndexedItem, target: torch.Tensor
+                     ) -> torch.Tensor:
+        dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
+        span, contiguous = self._span(entry, item, dtype, sizes)
+        whole = span.start == 0 and span.end == entry.data_length
+        if list(target.shape) != list(item.lengths):
+            raise ValueError(f"{item.storage_index.fqn!r}: destination {list(target.shape)}, "
+                             f"region {list(item.lengths)}")
+        head_len = entry.data_offset - entry.offset if whole else span.start - span.block_start
+        tail_len = entry.offset + entry.length - entry.data_offset - entry.data_length if whole else (
+            span.block_end - span.end)
+        at = entry.offset if whole else entry.data_offset + span.block_start
+        direct = (contiguous and target.dtype == dtype and target.is_cpu and target.is_contiguous()
+                  and not target.requires_grad)
+        head, tail = memoryview(bytearray(head_len)), memoryview(bytearray(tail_len))
+        bounce = None if direct else torch.empty(span.end - span.start, dtype=torch.uint8)
+        body = tensor_bytes(target if bounce is None else bounce)  # the destination's memory, or the bounce's
+        expected = head_len + len(body) + tail_len
+        n = _read_exactly(fd, [head, body, tail], at)
+        self._count(n)
+        if n != expected:
+            raise EOFError(f"{path}: {expected} bytes of {item.storage_index.fqn!r} at offset {at} expected, "
+                           f"{n} read")
+        if self.verify:
+            self._verify(path, item, entry, span, whole, [head, body, tail])
+        if bounce is not None:
+            typed = bounce.view(dtype) if bounce.numel() else torch.empty(0, dtype=dtype)
+            strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
+            region = typed.as_strided(list(item.lengths), strides, typed.storage_offset()) if typed.numel() else \
+                typed.reshape(list(item.lengths))
+            target.copy_(region)
+        return target
+
+    def _verify(self, path: Path, item: ReadItem, entry: IndexedItem, span: _Span, whole: bool,
+                segments: list[memoryview]) -> None:
+        blocks = list(range(span.first, span.last))
+        sizes = [min(BLOCK_BYTES, entry.data_length - b * BLOCK_BYTES) for b in blocks]
+        positions = [b + 1 for b in blocks]
+        if whole:
+            sizes = [len(segments[0]), *sizes, len(segments[2])]
+            positions = [0, *positions, len(entry.digests) - 1]
+        self._check(path, repr(item.storage_index.fqn), entry, positions,
+                    _digests([s for s in segments if len(s)], [s for s in sizes]))

@@ -1,0 +1,149 @@
+"""The DCP storage writer of ``torch_dist`` saves: one data file per rank, tensors framed without ``torch.save``.
+
+DCP's planning, deduplication of replicated pieces and ``.metadata`` stay DCP's own (``dcp.save`` drives this
+writer). What changes is the per-item work: :class:`FramedFileSystemWriter` writes each tensor as a
+``torch.save``-compatible record straight from its memory (:func:`~peftckpt.checkpoint.storage.framing.tensor_record`),
+takes the block digests of its bytes on the way, and ends the file with the block index -- one buffered stream,
+no per-item stream objects, loggers or pickling. The file system's stream (a
+:class:`~peftckpt.checkpoint.storage.checksums.ChecksummingFileSystem` in a save) still sees every byte, so the
+manifest's whole-file checksum is taken while writing, as before. The written ``Metadata`` is kept
+(:attr:`FramedFileSystemWriter.metadata`) for the commit's whole-checkpoint check, which need not read it back.
+
+:func:`save_state_dict` runs DCP's save protocol (local plans, the coordinator's global plan and metadata, the
+writes, ``finish``) through DCP's own collective wrapper, as ``dcp.save`` does, minus what costs per key there
+and is of no use to a flat state dict of entries: a ``Stateful`` check and a logger call for every key.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _DistWrapper
+from torch.futures import Future
+
+from .framing import IndexedItem, block_digests, encode_index, tensor_bytes, tensor_record
+
+__all__ = ["FramedFileSystemWriter", "save_state_dict"]
+
+
+class _Counting:
+    """Writes to a stream, counting the bytes (``tell()`` of a buffered writer costs a syscall's worth)."""
+
+    def __init__(self, stream: io.IOBase) -> None:
+        self.stream = stream
+        self.at = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.stream.write(data)
+        self.at += len(data)
+
+
+class FramedFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` writing ``__<rank>_0.distcp`` with framed records and a block index (module docstring).
+
+    Objects (``BYTE_IO`` items) are written as DCP writes them: their ``torch.save`` bytes."""
+
+    def __init__(self, path: str | os.PathLike[str], sync_files: bool = True) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
+                         per_thread_copy_ahead=0)
+        self.metadata: Metadata | None = None
+        """The metadata ``finish`` wrote (on the coordinator)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = cast(_StoragePrefix, plan.storage_data).prefix
+        name = f"{prefix}0{DEFAULT_SUFFIX}"
+        results: list[WriteResult] = []
+        index: list[IndexedItem] = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            out = _Counting(stream)
+            # Objects first, then tensors in plan order (as DCP's writer orders them).
+            items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
+            for item in items:
+                at = out.at
+                indexed = self._write_item(out, item, planner.resolve_data(item))
+                if indexed is not None:
+                    indexed.offset, indexed.data_offset = at, at + indexed.data_offset
+                    index.append(indexed)
+                results.append(WriteResult(index=item.index, size_in_bytes=out.at - at,
+                                           storage_data=_StorageInfo(name, at, out.at - at)))
+            out.write(encode_index(index))
+            if self.sync_files:
+                stream.flush()
+                os.fsync(stream.fileno())
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    @staticmethod
+    def _write_item(out: _Counting, item: WriteItem, data: Any) -> IndexedItem | None:
+        """Write one item; its index record with offsets relative to the item's start (``None``: not indexed)."""
+        if item.type == WriteItemType.BYTE_IO:
+            raw = memoryview(cast(io.BytesIO, data).getbuffer()).cast("B")
+            out.write(raw)
+            return IndexedItem(0, len(raw), len(raw), 0, [xxhash.xxh3_64_intdigest(raw), xxhash.xxh3_64_intdigest(b"")])
+        tensor = cast(torch.Tensor, data).detach()
+        if not tensor.is_cpu:
+            tensor = tensor.cpu()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        record = tensor_record(tensor)
+        if record is None:  # a dtype without a storage class, or a record too large for a plain zip
+            buf = io.BytesIO()
+            torch.save(tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor, buf)
+            out.write(buf.getbuffer())
+            return None
+        data_bytes = tensor_bytes(tensor)
+        out.write(record.prefix)
+        out.write(data_bytes)
+        out.write(record.suffix)
+        return IndexedItem(0, record.length, len(record.prefix), record.nbytes,
+                           [xxhash.xxh3_64_intdigest(record.prefix), *block_digests(data_bytes),
+                            xxhash.xxh3_64_intdigest(record.suffix)])
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.metadata = metadata
+
+
+def save_state_dict(state_dict: dict[str, Any], writer: FramedFileSystemWriter, planner: SavePlanner,
+                    group: dist.ProcessGroup | None) -> Metadata | None:
+    """``dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group)`` for a flat state dict
+    without ``Stateful`` values: the same steps and the same collective error handling (a failure on any rank
+    raises DCP's ``CheckpointException`` on every rank). Returns the metadata written (on the coordinator)."""
+    wrapper = _DistWrapper(group, dist.is_available() and dist.is_initialized(), 0)
+    metadata: Metadata | None = None
+
+    def local_step() -> SavePlan:
+        planner.set_up_planner(state_dict, writer.storage_meta(), wrapper.is_coordinator)
+        writer.set_up_storage_writer(wrapper.is_coordinator, rank=wrapper.rank, use_collectives=True)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(plans: list[SavePlan]) -> list[SavePlan]:
+        nonlocal metadata
+        plans, metadata = planner.create_global_plan(plans)
+        return writer.prepare_global_plan(plans)
+
+    plan = wrapper.reduce_scatter("plan", local_step, global_step)
+
+    def write() -> list[WriteResult]:
+        written = writer.write_data(planner.finish_plan(plan), planner)
+        written.wait()
+        return written.value()
+
+    def finish(results: list[list[WriteResult]]) -> Metadata:
+        assert metadata is not None
+        writer.finish(metadata, results)
+        return metadata
+
+    wrapper.all_reduce("write", write, finish)
+    return writer.metadata
