@@ -15,7 +15,8 @@ file (:mod:`~peftckpt.checkpoint.storage.framing`):
    a problem naming the file and the key (:attr:`problems`), reported by the load after the read, as the
    whole-file checksums were.
 
-Several items are read at once (a small thread pool; ``preadv`` releases the GIL). Objects are read whole and
+Several direct reads are in flight at once (a small thread pool; ``preadv`` releases the GIL); reads through a
+buffer run one at a time, so a load holds at most one such buffer (the span of one stored tensor). Objects are read whole and
 go through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a block
 index (stock DCP's, earlier peftckpt's), items the index does not list, and a file whose index is damaged
 (reported, when verifying) are read by the stock path. Reads stay inside the recorded sizes: an index entry must
@@ -160,7 +161,10 @@ class RangedFileSystemReader(SafeFileSystemReader):
                             jobs.append((item, pool.submit(self._read_object, fd, path, item, entry)))
                         else:
                             target = planner.resolve_tensor(item).detach()
-                            jobs.append((item, pool.submit(self._read_tensor, fd, path, item, entry, target)))
+                            if self._direct(item, entry, target):
+                                jobs.append((item, pool.submit(self._read_tensor, fd, path, item, entry, target)))
+                            else:  # through a buffer the size of the span: one at a time bounds the memory
+                                planner.commit_tensor(item, self._read_tensor(fd, path, item, entry, target))
                     for item, job in jobs:  # the planner is told in order, on this thread
                         value = job.result()
                         if item.type == LoadItemType.BYTE_IO:
@@ -235,10 +239,16 @@ class RangedFileSystemReader(SafeFileSystemReader):
         first, last, block_start, block_end = entry.block_range(start, end)
         return _Span(start, end, first, last, block_start, block_end), contiguous
 
+    def _direct(self, item: ReadItem, entry: IndexedItem, target: torch.Tensor) -> bool:
+        """Whether the region's bytes can be read straight into ``target`` (step 2 of the module docstring)."""
+        dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
+        contiguous = self._span(entry, item, dtype, sizes)[1]
+        return contiguous and target.dtype == dtype and target.is_cpu and target.is_contiguous()
+
     def _read_tensor(self, fd: int, path: Path, item: ReadItem, entry: IndexedItem, target: torch.Tensor
                      ) -> torch.Tensor:
         dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
-        span, contiguous = self._span(entry, item, dtype, sizes)
+        span = self._span(entry, item, dtype, sizes)[0]
         whole = span.start == 0 and span.end == entry.data_length
         if list(target.shape) != list(item.lengths):
             raise ValueError(f"{item.storage_index.fqn!r}: destination {list(target.shape)}, "
@@ -247,8 +257,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
         tail_len = entry.offset + entry.length - entry.data_offset - entry.data_length if whole else (
             span.block_end - span.end)
         at = entry.offset if whole else entry.data_offset + span.block_start
-        direct = (contiguous and target.dtype == dtype and target.is_cpu and target.is_contiguous()
-                  and not target.requires_grad)
+        direct = self._direct(item, entry, target)
         head, tail = memoryview(bytearray(head_len)), memoryview(bytearray(tail_len))
         bounce = None if direct else torch.empty(span.end - span.start, dtype=torch.uint8)
         body = tensor_bytes(target if bounce is None else bounce)  # the destination's memory, or the bounce's
