@@ -136,3 +136,30 @@ def test_checkpoints_without_the_new_framing_still_load(tmp_path: Path, monkeypa
     (old / "__0_0.distcp").write_bytes(bytes(data))
     with pytest.raises(CheckpointIntegrityError, match="__0_0.distcp: xxh3_128 checksum mismatch"):
         target.load(tmp_path / "old")
+
+
+def test_tensors_left_to_torch_save_are_indexed_whole_and_verified(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor the framing leaves to ``torch.save`` (a record of 2 GiB or more, a dtype without a storage class)
+    is indexed as one opaque item: the load reads it whole, verifies its digest, and names it when damaged."""
+    from peftckpt.checkpoint.storage import dcp_writer
+
+    source, model = _checkpointer()
+    with monkeypatch.context() as m:
+        m.setattr(dcp_writer, "tensor_record", lambda tensor: None)
+        path = source.save(tmp_path, 1)
+    target, fresh = _checkpointer()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    target.load(tmp_path)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    md = load_dcp_metadata(path / ".metadata")
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.0.weight")
+    data = bytearray((path / info.relative_path).read_bytes())
+    data[info.offset + info.length // 2] ^= 1  # inside the tensor's bytes of its torch.save record
+    (path / info.relative_path).write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match=r"__0_0.distcp: xxh3_64 checksum mismatch in the bytes of "
+                                                       r"'model.0.weight' \(framing"):
+        target.load(tmp_path)

@@ -38,12 +38,21 @@ from typing import Any, cast
 
 import torch
 import xxhash
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .framing import BLOCK_BYTES, INDEX_ALGORITHM, BlockIndexError, IndexedItem, read_index, tensor_bytes
+from .framing import (
+    BLOCK_BYTES,
+    INDEX_ALGORITHM,
+    BlockIndexError,
+    IndexedItem,
+    ends_with_index,
+    read_index,
+    tensor_bytes,
+)
 from .safe_pickle import SafeFileSystemReader, _SafeBytesPlanner
 
 __all__ = ["RangedFileSystemReader", "has_block_index"]
@@ -52,14 +61,15 @@ _READ_THREADS = 4
 
 
 def has_block_index(path: Path) -> bool:
-    """Whether data file ``path`` ends with a block index (its items are verified as they are read)."""
+    """Whether data file ``path`` ends with a block index (its items are verified as they are read; a damaged
+    index is reported by the read)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False
     try:
-        return read_index(fd, os.fstat(fd).st_size, verify=False) is not None
-    except (OSError, BlockIndexError):
+        return ends_with_index(fd, os.fstat(fd).st_size)
+    except OSError:
         return False
     finally:
         os.close(fd)
@@ -158,7 +168,17 @@ class RangedFileSystemReader(SafeFileSystemReader):
                         if entry is None:
                             stock.append(item)
                         elif item.type == LoadItemType.BYTE_IO:
-                            jobs.append((item, pool.submit(self._read_object, fd, path, item, entry)))
+                            jobs.append((item, pool.submit(self._read_whole, fd, path, item, entry)))
+                        elif entry.data_length == 0 and entry.data_offset == entry.offset + entry.length:
+                            # a tensor torch.save framed (too large, or an unusual dtype): whole, one at a time
+                            blob = self._read_whole(fd, path, item, entry)
+                            if blob is None:
+                                continue
+                            stored = torch.load(blob, map_location="cpu", weights_only=True)
+                            target = planner.resolve_tensor(item).detach()
+                            target.copy_(narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
+                            planner.commit_tensor(item, target)
+                            del stored
                         else:
                             target = planner.resolve_tensor(item).detach()
                             if self._direct(item, entry, target):
@@ -167,6 +187,8 @@ class RangedFileSystemReader(SafeFileSystemReader):
                                 planner.commit_tensor(item, self._read_tensor(fd, path, item, entry, target))
                     for item, job in jobs:  # the planner is told in order, on this thread
                         value = job.result()
+                        if value is None:  # damaged (reported): nothing of it is parsed
+                            continue
                         if item.type == LoadItemType.BYTE_IO:
                             safe.load_bytes(item, value)
                         else:
@@ -196,8 +218,9 @@ class RangedFileSystemReader(SafeFileSystemReader):
         entry = index.get(info.offset)
         if entry is None or entry.length != info.length or info.transform_descriptors:
             return None
-        if item.type == LoadItemType.BYTE_IO:
-            return entry if entry.data_offset == entry.offset + entry.length else None
+        opaque = entry.data_offset == entry.offset + entry.length and entry.data_length == 0
+        if item.type == LoadItemType.BYTE_IO or opaque:  # read whole, one digest (a torch.save record)
+            return entry if opaque else None
         chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
         if chunk is None or math.prod(chunk[1]) * chunk[0].itemsize != entry.data_length:
             return None
@@ -217,14 +240,18 @@ class RangedFileSystemReader(SafeFileSystemReader):
                                      f"({part} of the item at offset {entry.offset}): expected {expected:016x}, "
                                      f"got {digest:016x}")
 
-    def _read_object(self, fd: int, path: Path, item: ReadItem, entry: IndexedItem) -> io.BytesIO:
+    def _read_whole(self, fd: int, path: Path, item: ReadItem, entry: IndexedItem) -> io.BytesIO | None:
+        """An item read whole (an object, or a tensor ``torch.save`` framed); ``None`` if it fails its digest."""
         data = bytearray(entry.length)
         n = _read_exactly(fd, [memoryview(data)], entry.offset)
         self._count(n)
         if n != entry.length:
             raise EOFError(f"{path}: {entry.length} bytes of {item.storage_index.fqn!r} expected, {n} read")
         if self.verify:
+            before = len(self.problems)
             self._check(path, repr(item.storage_index.fqn), entry, [0], [xxhash.xxh3_64_intdigest(data)])
+            if len(self.problems) > before:
+                return None
         return io.BytesIO(bytes(data))
 
     def _span(self, entry: IndexedItem, item: ReadItem, dtype: torch.dtype, sizes: list[int]) -> tuple[_Span, bool]:

@@ -71,9 +71,8 @@ class FramedFileSystemWriter(FileSystemWriter):
             for item in items:
                 at = out.at
                 indexed = self._write_item(out, item, planner.resolve_data(item))
-                if indexed is not None:
-                    indexed.offset, indexed.data_offset = at, at + indexed.data_offset
-                    index.append(indexed)
+                indexed.offset, indexed.data_offset = at, at + indexed.data_offset
+                index.append(indexed)
                 results.append(WriteResult(index=item.index, size_in_bytes=out.at - at,
                                            storage_data=_StorageInfo(name, at, out.at - at)))
             out.write(encode_index(index))
@@ -85,8 +84,9 @@ class FramedFileSystemWriter(FileSystemWriter):
         return future
 
     @staticmethod
-    def _write_item(out: _Counting, item: WriteItem, data: Any) -> IndexedItem | None:
-        """Write one item; its index record with offsets relative to the item's start (``None``: not indexed)."""
+    def _write_item(out: _Counting, item: WriteItem, data: Any) -> IndexedItem:
+        """Write one item; its index record with offsets relative to the item's start. An object, and a tensor
+        left to ``torch.save``, is recorded as framing only (read whole, verified by one digest)."""
         if item.type == WriteItemType.BYTE_IO:
             raw = memoryview(cast(io.BytesIO, data).getbuffer()).cast("B")
             out.write(raw)
@@ -100,8 +100,9 @@ class FramedFileSystemWriter(FileSystemWriter):
         if record is None:  # a dtype without a storage class, or a record too large for a plain zip
             buf = io.BytesIO()
             torch.save(tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor, buf)
-            out.write(buf.getbuffer())
-            return None
+            blob = buf.getbuffer()
+            out.write(blob)
+            return IndexedItem(0, len(blob), len(blob), 0, [xxhash.xxh3_64_intdigest(blob), xxhash.xxh3_64_intdigest(b"")])
         data_bytes = tensor_bytes(tensor)
         out.write(record.prefix)
         out.write(data_bytes)

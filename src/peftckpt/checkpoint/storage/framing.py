@@ -38,7 +38,7 @@ import torch
 import xxhash
 
 __all__ = ["BLOCK_BYTES", "INDEX_ALGORITHM", "TensorRecord", "tensor_record", "tensor_bytes", "IndexedItem",
-           "block_digests", "encode_index", "read_index", "BlockIndexError"]
+           "block_digests", "encode_index", "ends_with_index", "read_index", "BlockIndexError"]
 
 BLOCK_BYTES = 1 << 20
 """Verification granularity of tensor bytes: a partial read reads at most one block more at each end."""
@@ -189,6 +189,11 @@ def encode_index(items: Sequence[IndexedItem]) -> bytes:
 
 class BlockIndexError(ValueError):
     """A data file's block index is present but damaged."""
+
+
+def ends_with_index(fd: int, size: int) -> bool:
+    """Whether the file open as ``fd`` (``size`` bytes) ends with a block index footer (not checked further)."""
+    return size >= _FOOTER.size and os.pread(fd, _FOOTER.size, size - _FOOTER.size)[-len(_MAGIC):] == _MAGIC
 
 
 def read_index(fd: int, size: int, verify: bool) -> dict[int, IndexedItem] | None:
