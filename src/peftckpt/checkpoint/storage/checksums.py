@@ -31,6 +31,7 @@ from peftckpt.checkpoint.storage.storage_layout import MANIFEST_FILENAME
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "HASH_BLOCK_BYTES",
+    "overlap_pool",
     "new_digest",
     "checksum_file",
     "checksum_files",
@@ -46,6 +47,17 @@ HASH_BLOCK_BYTES = 8 * 1024 * 1024
 
 _MAX_HASH_THREADS = 8
 _WRITE_BUFFER_BYTES = 1024 * 1024
+_OVERLAP_BYTES = 4 * 1024 * 1024
+"""Writes at least this large are hashed on a thread of their own while the file system copies them."""
+_overlap_pool: ThreadPoolExecutor | None = None
+
+
+def overlap_pool() -> ThreadPoolExecutor:
+    """Threads that hash large buffers while the caller writes them (XXH3 releases the GIL)."""
+    global _overlap_pool
+    if _overlap_pool is None:
+        _overlap_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peftckpt-hash")
+    return _overlap_pool
 _XXHASH = ("xxh3_128", "xxh3_64")
 
 
@@ -121,8 +133,19 @@ class _HashingRaw(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
-        n = self._raw.write(b) or 0
-        self.digest.update(memoryview(b).cast("B")[:n])
+        view = memoryview(b).cast("B")
+        if len(view) < _OVERLAP_BYTES:
+            n = self._raw.write(view) or 0
+            self.digest.update(view[:n])
+        else:  # a tensor's bytes, straight from its memory: hashed on another core while they are written
+            view = view[:_OVERLAP_BYTES * 64]
+            hashed = overlap_pool().submit(self.digest.update, view)
+            try:
+                n = 0
+                while n < len(view):
+                    n += self._raw.write(view[n:]) or 0
+            finally:
+                hashed.result()
         self.written += n
         return n
 

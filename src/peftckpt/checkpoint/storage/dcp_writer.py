@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.futures import Future
 
-from .framing import IndexedItem, block_digests, encode_index, tensor_bytes, tensor_record
+from .checksums import overlap_pool
+from .framing import BLOCK_BYTES, IndexedItem, block_digests, encode_index, tensor_bytes, tensor_record
 
 __all__ = ["FramedFileSystemWriter", "save_state_dict"]
 
@@ -104,12 +105,14 @@ class FramedFileSystemWriter(FileSystemWriter):
             out.write(blob)
             return IndexedItem(0, len(blob), len(blob), 0, [xxhash.xxh3_64_intdigest(blob), xxhash.xxh3_64_intdigest(b"")])
         data_bytes = tensor_bytes(tensor)
+        # The block digests of a large tensor are taken on another core while its bytes are written.
+        digests = overlap_pool().submit(block_digests, data_bytes) if len(data_bytes) >= BLOCK_BYTES else None
         out.write(record.prefix)
         out.write(data_bytes)
         out.write(record.suffix)
+        blocks = block_digests(data_bytes) if digests is None else digests.result()
         return IndexedItem(0, record.length, len(record.prefix), record.nbytes,
-                           [xxhash.xxh3_64_intdigest(record.prefix), *block_digests(data_bytes),
-                            xxhash.xxh3_64_intdigest(record.suffix)])
+                           [xxhash.xxh3_64_intdigest(record.prefix), *blocks, xxhash.xxh3_64_intdigest(record.suffix)])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)

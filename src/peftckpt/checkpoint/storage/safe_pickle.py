@@ -32,6 +32,7 @@ weights_only=False)``: an unrestricted unpickle. (Tensor items are read with ``w
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pickle
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -100,6 +102,10 @@ class RestrictedUnpickler(pickle.Unpickler):
         )
 
 
+_SCANNED: dict[str, None] = {}
+"""The XXH3-128 of the last few metadata files whose opcodes passed the scan (insertion-ordered: oldest first)."""
+_SCANNED_MAX = 16
+
 METADATA_MAX_BYTES = 256 << 20
 """Largest ``.metadata`` read (a 70B model's, sharded over 64 ranks with optimizer state, is tens of MB)."""
 
@@ -145,7 +151,9 @@ def load_dcp_metadata(path: str | os.PathLike[str], max_bytes: int | None = None
         raise CheckpointFormatError(f"DCP metadata file {path} is missing") from None
     except (OSError, ValueError) as exc:
         raise CheckpointFormatError(f"DCP metadata file {path} cannot be read: {exc}") from exc
-    _scan_opcodes(data, path)
+    key = xxhash.xxh3_128_hexdigest(data)
+    if key not in _SCANNED:  # the same bytes scanned before need no second scan (a load reads .metadata 2-3 times)
+        _scan_opcodes(data, path)
     try:
         obj = RestrictedUnpickler(io.BytesIO(data), path).load()
     except UnsafeCheckpointError:
@@ -159,6 +167,9 @@ def load_dcp_metadata(path: str | os.PathLike[str], max_bytes: int | None = None
             f"DCP metadata file {path} holds a {type(obj).__name__}, expected "
             f"torch.distributed.checkpoint.metadata.Metadata"
         )
+    if len(_SCANNED) >= _SCANNED_MAX:
+        _SCANNED.pop(next(iter(_SCANNED)))
+    _SCANNED[key] = None
     return obj
 
 
@@ -212,8 +223,8 @@ class SafeFileSystemReader(FileSystemReader):
         """Read ``.metadata`` (or ``__<rank>.metadata`` when ``rank`` is given) safely."""
         path = self._get_metadata_path(kwargs.get("rank"))
         metadata = load_dcp_metadata(path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        stored = getattr(metadata, "storage_meta", None)
+        metadata.storage_meta = StorageMeta() if stored is None else copy.copy(stored)  # this reader's own
         cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
         return metadata
 
