@@ -233,19 +233,31 @@ def test_manifest_shape_contradicting_storage_fails_the_load_too(ckpt: Path, tmp
     _refused_everywhere(ckpt, re.escape("manifest says [64, 32]"), tmp_path)
 
 
-def test_commit_refuses_a_save_whose_data_another_save_deleted(tmp_path: Path) -> None:
+def test_commit_refuses_a_save_whose_data_another_save_deleted(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The reported bug: a second save into the same directory removed the first one's staging directory
     while it was being written; the first then committed a checkpoint without data. (Two runs are kept apart
     by the run lock; two checkpointers of one process share it, so the commit's own check is what stops this.)"""
+    from peftckpt.checkpoint import api
+
     save = tmp_path / "save"
     first, _ = small_checkpointer()
     second, _ = small_checkpointer(seed=1)
     first.save(save, 1)
+    written, go_on = threading.Event(), threading.Event()
+    commit = api.commit_checkpoint
+
+    def held_commit(*a: Any, **k: Any) -> None:  # the async save's thread: written, held before its commit
+        written.set()
+        go_on.wait(60)
+        commit(*a, **k)
+
+    monkeypatch.setattr(api, "commit_checkpoint", held_commit)
     first.save(save, 2, options=SaveOptions(async_save=True))  # in flight: its staging directory exists
-    pending = first._pending
-    assert pending is not None and pending.future is not None
-    pending.future.result()  # written, not yet committed (the write itself must not be what fails)
+    assert written.wait(60)  # written, not yet committed (the write itself must not be what fails)
+    monkeypatch.setattr(api, "commit_checkpoint", commit)
     second.save(save, 5)  # removes every staging directory it finds, including the first's
+    go_on.set()
     with pytest.raises(CheckpointError) as info:
         first.wait()
     message = str(info.value)

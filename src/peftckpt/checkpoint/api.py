@@ -9,7 +9,6 @@ pipeline chunks; it knows nothing about the trainer. The steps it orchestrates l
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import secrets
 import threading
@@ -244,9 +243,8 @@ class Checkpointer:
         release: threading.Event | None = None
         error: BaseException | None = None
         try:
-            after_write = None if remote is None else functools.partial(upload_after_write, commit, self.rank)
             release = fmt.write(WriteJob(flat, commit, self.rank, self.comm.group, self.chunks, self.optimizer,
-                                         self._host_buffers, self._async_group, after_write))
+                                         self._host_buffers, self._async_group, self._after_write(commit)))
             self._pending = commit if commit.future is not None else None
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = unwrap_dcp_error(e)
@@ -261,6 +259,16 @@ class Checkpointer:
         if self._pending is None:
             commit_checkpoint(self.comm, commit)
         return save / iteration_dirname(iteration) if remote is None else commit.final
+
+    def _after_write(self, commit: PendingCommit) -> Callable[[], None]:
+        """What an async save's thread does once this rank's files are written: upload them (on a store), then
+        commit -- the commit's collectives on the background save's own group, so training never waits for the
+        manifest, the fsyncs and the rename (an async save of the legacy format is committed by :meth:`save`)."""
+        def after_write() -> None:
+            if commit.remote is not None:
+                upload_after_write(commit, self.rank)
+            commit_checkpoint(Collectives(self._async_pg), commit)
+        return after_write
 
     def _save_entries(self, save: Path, iteration: int, objects: Mapping[str, Any], options: SaveOptions,
                       fmt: StorageFormat) -> tuple[PendingCommit, dict[str, Any]]:
@@ -392,11 +400,21 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001
             error = unwrap_dcp_error(e)
         try:
+            if getattr(error, "every_rank", False):  # the background commit's own agreed error: as it is
+                self.comm.agree(error)
             self.comm.agree(error, f"async save of iteration {pending.iteration} to {pending.save} failed")
-            commit_checkpoint(self.comm, pending)
+            if not pending.committed:
+                commit_checkpoint(self.comm, pending)
         except BaseException as e:
             pending.error = e
             raise
+
+    def snapshot_fence(self) -> None:
+        """Return once the in-flight async save with ``SaveOptions(defer_snapshot=True)`` has copied what it
+        saves to host memory (at once when there is none): call it before the optimizer step. No collective."""
+        pending = self._pending
+        if pending is not None and pending.snapshot_taken is not None:
+            pending.snapshot_taken.wait()
 
     # ------------------------------------------------------------------------------------- locks
     def lock(self, save_dir: str | os.PathLike[str]) -> None:

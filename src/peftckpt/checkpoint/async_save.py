@@ -17,7 +17,7 @@ from .errors import CheckpointError
 if TYPE_CHECKING:  # the commit's formats write async saves with host_copy: a type, not an import, here
     from .commit import PendingCommit
 
-__all__ = ["PendingSave", "host_copy"]
+__all__ = ["PendingSave", "host_copy", "copy_objects", "unchanged_since"]
 
 
 class PendingSave:
@@ -76,3 +76,27 @@ def host_copy(flat: Mapping[str, Any], previous: Mapping[str, GlobalTensor]
                 "Keep frozen weights unchanged (e.g. merge_lora) until Checkpointer.wait() returns")
 
     return state, buffers, check_frozen_unchanged
+
+
+def copy_objects(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``flat`` with its objects (anything not a tensor entry) deep-copied now: what a deferred snapshot
+    (:attr:`~peftckpt.checkpoint.options.SaveOptions.defer_snapshot`) takes before the save call returns."""
+    return {k: v if isinstance(v, GlobalTensor) else copy.deepcopy(v) for k, v in flat.items()}
+
+
+def unchanged_since(flat: Mapping[str, Any], fence: str) -> Callable[[], None]:
+    """A check, to run once a deferred snapshot is copied, that no tensor training updates (trainable
+    parameters, optimizer state, buffers) of ``flat`` was modified in place since this call: else the copy may
+    mix two steps, and the save is discarded with an error that says what to call first (``fence``)."""
+    versions = [(k, p.tensor, p.tensor._version) for k, v in flat.items() if isinstance(v, GlobalTensor)
+                and not v.frozen for p in v.pieces]
+
+    def check() -> None:
+        changed = sorted({k for k, t, version in versions if t._version != version})
+        if changed:
+            raise CheckpointError(
+                f"{len(changed)} tensor(s) were modified in place before an async save had copied them "
+                f"({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}): the save is discarded. "
+                f"Call {fence} before the optimizer step (or anything else that changes them)")
+
+    return check

@@ -9,6 +9,7 @@ applies retention. A failure says exactly what it left committed and where the t
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class PendingCommit:
     """Digests of the DCP files, taken while they were written."""
     metadata: Any = None
     """The DCP metadata the write recorded (rank 0), checked by the commit without reading it back."""
+    snapshot_taken: threading.Event | None = None
+    """Set once a deferred snapshot (``SaveOptions.defer_snapshot``) is copied to host memory."""
     committed: bool = False
     error: BaseException | None = None
     """Why the save failed (an async save's handle raises it again)."""

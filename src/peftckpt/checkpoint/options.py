@@ -22,8 +22,14 @@ class SaveOptions:
     save_rng: bool = True
     keep_last_k: int | None = None
     async_save: bool = False
-    """Write in a background thread after a blocking copy to host memory; committed by :meth:`Checkpointer.poll`,
-    :meth:`Checkpointer.wait` or the next save (at most one save in flight)."""
+    """Write in a background thread after a blocking copy to host memory, then commit there too (the commit's
+    collectives run on the background save's own process group); :meth:`Checkpointer.poll`,
+    :meth:`Checkpointer.wait` or the next save report it (at most one save in flight)."""
+    defer_snapshot: bool = False
+    """With ``async_save``: the copy to host memory runs in the background too, so the save call returns at
+    once and the copy overlaps the next forward/backward. The caller must call
+    :meth:`Checkpointer.snapshot_fence` before anything modifies trainable parameters, optimizer state or
+    buffers (the optimizer step); a tensor modified before the copy finished discards the save with an error."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,6 +33,8 @@ class TrainingRun(Protocol):
     """What the checkpoint glue reads from a trainer, and restores into it (the trainer implements it)."""
 
     iteration: int
+    before_optimizer_step: Callable[[], None]
+    """Called right before each optimizer step."""
 
     @property
     def args(self) -> argparse.Namespace: ...
@@ -87,6 +89,9 @@ class TrainerCheckpointing:
             adapter_config=None if trainer.lora is None else trainer.lora.to_dict(),
         )
         self.last_saved: int | None = None
+        # An async save copies what training updates during the next forward/backward; the optimizer step
+        # waits for that copy (at once when it is done, or when no save is in flight).
+        trainer.before_optimizer_step = self.ckpt.snapshot_fence
 
     def _load_options(self, model_only: bool = False) -> LoadOptions:
         a = self.args
@@ -145,7 +150,8 @@ class TrainerCheckpointing:
         assert target is not None
         options = SaveOptions(ckpt_format=ckpt_format or a.ckpt_format, trainable_only=a.save_trainable_params_only,
                               save_optim=not a.no_save_optim, save_rng=not a.no_save_rng, keep_last_k=a.keep_last_k,
-                              async_save=a.async_save and save_dir is None)
+                              async_save=a.async_save and save_dir is None,
+                              defer_snapshot=a.async_save and save_dir is None)
         start = time.perf_counter()
         path = self.ckpt.save(target, t.iteration, self.objects(), options, args=_json_args(a))
         blocked = time.perf_counter() - start

@@ -11,7 +11,7 @@ import functools
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +128,8 @@ class Trainer:
         self.logger = MetricsLogger(args.metrics_file, args.log_interval, args.train_iters,
                                     progress=args.progress, enabled=rank == 0)
         self.losses: list[float] = []
+        self.before_optimizer_step: Callable[[], None] = lambda: None
+        """Called right before each optimizer step (the checkpointing sets it to its async snapshot's fence)."""
 
     # ----------------------------------------------------------------------------------------- setup
     def reseed(self, iteration: int) -> None:
@@ -220,6 +222,7 @@ class Trainer:
         loss = self.forward_backward(batch)
         grad_norm = clip_grad_norm(self.params, self.args.clip_grad, self.dims.tp * self.dims.dp,
                                    self.distributed, self.device, counted_elsewhere=self.norm_skips)
+        self.before_optimizer_step()  # an async save's snapshot of the weights must be taken before they change
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..async_save import host_copy
+from ..async_save import copy_objects, host_copy, unchanged_since
 from ..checks.integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems, unwritten_pieces
 from ..errors import CheckpointError, CheckpointFormatError
 from ..faults import fault_point
@@ -59,7 +59,8 @@ class WriteJob:
     async_group: Callable[[], dist.ProcessGroup | None] | None = None
     """The background save's own process group (created on first use)."""
     after_write: Callable[[], None] | None = None
-    """Run by an async save's thread once this rank's files are written (the upload to an object store)."""
+    """Run by an async save's thread once this rank's files are written (the upload to an object store, the
+    commit)."""
 
 
 class StoredCheckpoint(Protocol):
@@ -162,20 +163,43 @@ class TorchDistFormat:
             with no_zip_crc32():  # for objects, and any tensor the framing leaves to torch.save
                 c.metadata = save_state_dict(job.flat, writer, planner, job.group)
             return None
-        # Training is blocked only for the copy to host memory; DCP plans and writes in a thread of its own
-        # (plain `dcp.save` there: `dcp.async_save` would still walk every entry on this thread first).
-        snapshot, buffers, check_frozen_unchanged = host_copy(job.flat, job.host_buffers)
-        job.host_buffers.clear()
-        job.host_buffers.update(buffers)
+        # Training is blocked only for the copy to host memory (or, deferred, not even for that: the copy runs
+        # first in the thread, and `snapshot_taken` tells the caller's fence when it is done); DCP plans and
+        # writes in a thread of its own (its save steps there: `dcp.async_save` would walk every entry here).
         group = None if job.async_group is None else job.async_group()
         release = threading.Event()  # the thread starts once the save call returns, not competing for the GIL
 
+        def keep_buffers(taken: tuple[dict[str, Any], dict[str, Any], Callable[[], None]]) -> None:
+            job.host_buffers.clear()
+            job.host_buffers.update(taken[1])
+
+        if c.options.defer_snapshot:
+            flat = copy_objects(job.flat)
+            unchanged = unchanged_since(flat, "Checkpointer.snapshot_fence()")
+            taken_event = c.snapshot_taken = threading.Event()
+
+            def take() -> tuple[dict[str, Any], dict[str, Any], Callable[[], None]]:
+                try:
+                    taken = host_copy(flat, job.host_buffers)
+                    unchanged()
+                    keep_buffers(taken)
+                    return taken
+                finally:
+                    taken_event.set()
+        else:
+            taken = host_copy(job.flat, job.host_buffers)
+            keep_buffers(taken)
+
+            def take() -> tuple[dict[str, Any], dict[str, Any], Callable[[], None]]:
+                return taken
+
         def write() -> Any:
             release.wait()
+            snapshot, _, check_frozen_unchanged = take()
             result = c.metadata = save_state_dict(snapshot, writer, planner, group)
             check_frozen_unchanged()
             if job.after_write is not None:
-                job.after_write()
+                job.after_write()  # the upload to a store, then the commit
             return result
 
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
