@@ -40,6 +40,7 @@ import _s3
 from _peers import HFPeft, PlainDCP, TorchSave, hf_available
 from _report import report
 from _timing import RAW_BLOCK_BYTES, Ctx, Stat, dir_bytes, evict, machine_info, raw_read, raw_write, rmtree
+from _train_loop import measure_train_loop
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.state.sections import ensure_optimizer_state
 from peftckpt.checkpoint.storage.checksums import checksum_files
@@ -97,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--no-s3", action="store_true", help="skip the S3 rows (a local moto S3 server; they need the "
                    "s3fs and moto packages, else they are skipped)")
     r.add_argument("--no-async-full", action="store_true", help="skip the async full save (needs 2x model RAM)")
+    r.add_argument("--no-train-loop", action="store_true",
+                   help="skip the training-loop rows (a LoRA run with a checkpoint every step vs none)")
     r.add_argument("--keep", action="store_true", help="keep the work directory")
     r.add_argument("--from-json", type=Path, default=None,
                    help="measure nothing: print the table and targets of an earlier run's JSON file and write "
@@ -577,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if args.world_size == 1:
             dist_part["scaling"] = measure_scaling(args, Ctx(), work)
+        if not args.no_train_loop:
+            print("[bench] training loop: every-step async saves vs none", flush=True)
+            small = args.quick or args.hidden_size < 512  # a small bench model: the small loop model too
+            dist_part["train_loop"] = measure_train_loop(work, small, 12 if small else 25, 2)
         results.update(dist_part)
         results["rows"] = {**dist_part["rows"], **single_part["rows"]}
         results["machine"]["loadavg_end"] = os.getloadavg()

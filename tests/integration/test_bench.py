@@ -33,6 +33,7 @@ TARGETS = [
     "full load bandwidth (--no-verify-checksums)",
     "async trainable-only save: blocked <= 1% of the sync save",
     "async full save: blocked <= 1% of the sync save",
+    "training step with a checkpoint every step (--save-interval 1 --async-save) <= 1.02x",
     "cost per stored tensor (trainable-only save, scaling fit) <= 25 us",
     "checksums + base fingerprint add <= 10% to a full save",
     "base fingerprint (once per run",
@@ -54,7 +55,8 @@ def _stat_ok(stat: dict[str, Any], repeats: int) -> None:
 def _check(r: dict[str, Any], repeats: int, layout: dict[str, int], hf: bool = True) -> None:
     rows = r["rows"]
     names = [n for n in ROWS if hf or not n.startswith("hf_")]
-    targets = [t for t in TARGETS if hf or "HF PEFT" not in t]
+    train_loop = "train_loop" in r
+    targets = [t for t in TARGETS if (hf or "HF PEFT" not in t) and (train_loop or "every step" not in t)]
     assert sorted(rows) == sorted(names)
     for name in names:
         _stat_ok(rows[name]["save"], repeats)
@@ -68,7 +70,8 @@ def _check(r: dict[str, Any], repeats: int, layout: dict[str, int], hf: bool = T
     # sizes: the adapter without its optimizer < adapter + Adam state < the whole model
     full, trainable, model_only = (rows[f"ours_{k}"]["bytes"] for k in ("full", "trainable", "model_only"))
     assert model_only < trainable < full
-    assert abs(rows["bare_trainable"]["bytes"] - trainable) < 0.05 * trainable  # the same entries, no manifest
+    # the same entries in stock DCP framing, no manifest: our leaner records (no serialisation id) are smaller
+    assert 0.7 * rows["bare_trainable"]["bytes"] < trainable < 1.05 * rows["bare_trainable"]["bytes"]
     assert rows["s3_trainable"]["bytes"] == trainable  # the same checkpoint, on the S3 server
     assert r["raw"]["full"]["bytes"] == full and r["raw"]["trainable"]["bytes"] == trainable
     for kind in ("full", "trainable"):
@@ -102,6 +105,9 @@ def test_bench_one_process_then_rerender(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     _check(r, repeats=2, layout={"tp": 1, "pp": 1, "dp": 1, "vpp": 1})
     assert r["rows"]["hf_peft"]["same_adapter"] is True
+    loop = r["train_loop"]  # the LoRA run with a checkpoint every step, against none
+    assert loop["checkpoints_committed"] == loop["rounds"] * loop["iters"]
+    assert all(len(loop[m]["samples_s"]) == loop["rounds"] * (loop["iters"] - 3) for m in ("no_saves", "every_step_async"))
     assert "| target | ratio | limit | met |" in proc.stdout
     assert "| trainable-only on S3 / on local disk (medians): save x" in proc.stdout
     assert list(work.iterdir()) == []  # the run's checkpoints are gone
@@ -115,7 +121,7 @@ def test_bench_one_process_then_rerender(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bench_under_torchrun_at_tp2(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    _bench([*TINY, "--world-size", "2", "--tp", "2", "--no-hf", "--output", str(out)])
+    _bench([*TINY, "--world-size", "2", "--tp", "2", "--no-hf", "--no-train-loop", "--output", str(out)])
     r = json.loads(out.read_text())
     assert r["world"] == 2
     # ours, plain DCP, raw, async and scaling under torchrun; torch.save in the parent, on one process

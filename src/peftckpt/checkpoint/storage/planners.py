@@ -46,7 +46,9 @@ class EntrySavePlanner(DefaultSavePlanner):
         is closed (``tensor_dict``, used only for its safetensors format), which would hold a whole streamed
         model. The reference it keeps then points at empty storage that nothing reads again."""
         if self._streamed is not None:
-            self._streamed.untyped_storage().resize_(0)
+            storage = self._streamed.untyped_storage()
+            if storage.resizable():  # (a tensor over a file's mapped memory is not: dropping it releases it)
+                storage.resize_(0)
             self._streamed = None
 
 
