@@ -44,7 +44,8 @@ def test_kill9_during_every_step_async_saves_loses_at_most_two_iterations(tmp_pa
         proc = launch([*run, *EVERY_STEP, "--save", str(save), "--metrics-file", str(metrics), "--no-progress"],
                       tmp_path / f"killed{attempt}.log")
         try:
-            until(lambda: _logged(metrics) >= kill_after or proc.poll() is not None, "iterations to be logged")
+            until(lambda m=metrics, k=kill_after, p=proc: _logged(m) >= k or p.poll() is not None,  # type: ignore[misc]
+                  "iterations to be logged")
             time.sleep(rng.uniform(0.0, 0.05))  # somewhere inside a step and its background save
             proc.send_signal(signal.SIGKILL)
             proc.wait(60)
