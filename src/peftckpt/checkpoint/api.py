@@ -202,11 +202,12 @@ class Checkpointer:
         return value
 
     def _build(self, trainable_only: bool, with_optim: bool, objects: Mapping[str, Any] | None = None,
-               with_rng: bool = False) -> RankState:
+               with_rng: bool = False, sections: dict[str, dict[str, Any]] | None = None) -> RankState:
         """This rank's state (:func:`~peftckpt.checkpoint.state.builder.build_state`): what a save writes, and
-        (its tensors) what a load of the same kind requests."""
-        return build_state(self.model_sections(), self.optimizer, self.chunks, self.rank,
-                           trainable_only=trainable_only, with_optim=with_optim, objects=objects, with_rng=with_rng)
+        (its tensors) what a load of the same kind requests (``sections``: the model sections, if at hand)."""
+        return build_state(self.model_sections() if sections is None else sections, self.optimizer, self.chunks,
+                           self.rank, trainable_only=trainable_only, with_optim=with_optim, objects=objects,
+                           with_rng=with_rng)
 
     # -------------------------------------------------------------------------------------- save
     def save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
@@ -289,7 +290,8 @@ class Checkpointer:
                     f"--save-trainable-params-only needs --ckpt-format torch_dist, but this save would use "
                     f"{fmt.name!r} (legacy torch checkpoints lose requires_grad, so every tensor would be "
                     "dropped); nothing was written")
-            state = self._build(options.trainable_only, options.save_optim, objects, options.save_rng)
+            held = self.model_sections()
+            state = self._build(options.trainable_only, options.save_optim, objects, options.save_rng, held)
             flat, kept, excluded = state.entries, state.kept, state.excluded
             fingerprint = self.fingerprint() if options.trainable_only else None
         except CheckpointError as e:
@@ -306,7 +308,7 @@ class Checkpointer:
             refused.every_rank = True
             raise refused
         if options.trainable_only:
-            trainable = any(v.requires_grad for sec in self.model_sections().values() for v in sec.values()
+            trainable = any(v.requires_grad for sec in held.values() for v in sec.values()
                             if isinstance(v, GlobalTensor))
             if not any(self.comm.gather(trainable)) and self.rank == 0:
                 warnings.warn("--save-trainable-params-only: no model parameter is trainable, so this checkpoint "

@@ -223,7 +223,10 @@ def unwritten_pieces(metadata: Metadata, held: Mapping[str, Sequence[tuple[int, 
     for key, pieces in sorted(held.items()):
         md = entries.get(key)
         stored = [(list(c.offsets), list(c.sizes)) for c in md.chunks] if isinstance(md, TensorStorageMetadata) else []
+        exact = {(tuple(o), tuple(z)) for o, z in stored}
         for rank, offsets, sizes in pieces:
+            if (tuple(offsets), tuple(sizes)) in exact:  # stored as the very chunk it held (the usual case)
+                continue
             volume = math.prod(sizes)
             if volume and sum(_overlap(offsets, sizes, o, s) for o, s in stored) < volume:
                 missing.setdefault((key, tuple(offsets), tuple(sizes)), []).append(rank)
