@@ -373,7 +373,9 @@ def measure_async(args: argparse.Namespace, ctx: Ctx, dirs: Dirs, b: Bundle) -> 
             d = dirs.path(f"async-{name}", i)
             ctx.barrier()
             t0 = time.perf_counter()
-            b.ckpt.save(d, 1, OBJECTS, SaveOptions(trainable_only=trainable_only, async_save=True))
+            # as the trainer's --async-save: the copy to host memory overlaps what follows the call
+            b.ckpt.save(d, 1, OBJECTS, SaveOptions(trainable_only=trainable_only, async_save=True,
+                                                   defer_snapshot=True))
             t1 = time.perf_counter()
             b.ckpt.wait()
             t2 = time.perf_counter()
