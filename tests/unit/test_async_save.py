@@ -121,3 +121,65 @@ def test_load_commits_the_async_save_in_flight_first(tmp_path: Path) -> None:
     # The tracker still names iteration 1 until the async save is committed; load commits it first.
     assert ckpt.load(tmp_path).iteration == 2
     assert not ckpt.save_in_flight
+
+
+@pytest.fixture
+def held_snapshot(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """A deferred snapshot's copy to host memory waits until the returned event is set."""
+    release = threading.Event()
+    copy = formats.host_copy
+
+    def held(*args: object, **kwargs: object) -> object:
+        assert release.wait(30), "the test never released the snapshot"
+        return copy(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(formats, "host_copy", held)
+    yield release
+    release.set()
+
+
+DEFERRED = SaveOptions(async_save=True, defer_snapshot=True)
+
+
+def test_deferred_snapshot_overlaps_the_next_step_up_to_the_fence(tmp_path: Path,
+                                                                  held_snapshot: threading.Event) -> None:
+    """The save call returns before anything is copied; the forward/backward of the next step may run (its
+    in-place buffer update does not reach the checkpoint: buffers are copied at the call); the optimizer step
+    waits on ``snapshot_fence``; the checkpoint holds the state of the call."""
+    net, opt, ckpt = _trained()
+    at_save = _state(net, opt)
+    ckpt.save(tmp_path, 1, {"iteration": 1}, DEFERRED)
+    assert not ckpt._host_buffers  # nothing copied yet
+    net(torch.randn(4, 8)).square().sum().backward()  # the next forward/backward, while the copy waits
+    fenced = threading.Thread(target=ckpt.snapshot_fence)
+    fenced.start()
+    fenced.join(0.3)
+    assert fenced.is_alive()  # the fence holds the optimizer step until the copy is done
+    held_snapshot.set()
+    fenced.join(30)
+    assert not fenced.is_alive()
+    opt.step()
+    opt.zero_grad()
+    ckpt.wait()
+    fresh, fresh_opt, fresh_ckpt = _trained(seed=7)
+    assert fresh_ckpt.load(tmp_path, LoadOptions(objects=["iteration"])).iteration == 1
+    for key, value in _state(fresh, fresh_opt).items():
+        assert torch.equal(value, at_save[key]), key
+
+
+def test_a_step_before_the_fence_discards_the_deferred_save(tmp_path: Path, held_snapshot: threading.Event) -> None:
+    net, opt, ckpt = _trained()
+    held_snapshot.set()
+    ckpt.save(tmp_path, 1, {"iteration": 1}, DEFERRED)
+    ckpt.wait()
+    held_snapshot.clear()
+    ckpt.save(tmp_path, 2, {"iteration": 2}, DEFERRED)
+    _step(net, opt)  # the optimizer step without the fence: the adapter and its moments change under the copy
+    held_snapshot.set()
+    with pytest.raises(CheckpointError) as err:
+        ckpt.wait()
+    message = str(err.value)
+    assert "were modified in place before an async save had copied them (model.adapter.weight, " \
+           "optimizer.state.adapter.weight.exp_avg, optimizer.state.adapter.weight.exp_avg_sq)" in message
+    assert "Call Checkpointer.snapshot_fence() before the optimizer step" in message
+    assert read_tracker(tmp_path) == 1 and not (tmp_path / "iter_0000002").exists()
