@@ -78,6 +78,20 @@ def test_column_slices_and_dtype_changes_go_through_a_buffer(saved: tuple[Path, 
     assert torch.equal(got, weight.to(torch.bfloat16))
 
 
+def test_large_column_slices_are_read_in_runs_of_rows_through_one_buffer(saved: tuple[Path, torch.Tensor],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from peftckpt.checkpoint.storage import dcp_reader
+
+    ckpt, weight = saved
+    monkeypatch.setattr(dcp_reader, "_BOUNCE_BYTES", 300_000)  # ~73 rows of 4 KiB per run
+    got, reader = _read(ckpt, (5, 100), (1000, 900))
+    assert torch.equal(got, weight[5:1005, 100:1000])
+    assert reader.problems == [] and reader._buffer is not None and reader._buffer.numel() == 300_000
+    # every block read is read whole and verified: at most one block more per run, at each end
+    runs = -(-1000 // (300_000 // (COLS * 4)))
+    assert 1000 * COLS * 4 <= reader.bytes_read <= 1000 * COLS * 4 + 2 * runs * BLOCK_BYTES
+
+
 def test_damage_is_found_in_what_is_read_and_named(saved: tuple[Path, torch.Tensor], tmp_path: Path) -> None:
     ckpt, weight = saved
     import shutil

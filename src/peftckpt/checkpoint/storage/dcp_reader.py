@@ -9,8 +9,8 @@ file (:mod:`~peftckpt.checkpoint.storage.framing`):
    row-sharded piece, the span of rows a column split touches -- widened to whole verification blocks.
 2. Where the region is contiguous in the file and the destination is a contiguous tensor of the stored dtype
    (the common case: a whole item, or rows of one), one ``preadv`` puts the bytes straight into the destination's
-   memory, the block edges into small side buffers. Otherwise the span goes into one buffer and the region is
-   copied out of it (a column split; a dtype change).
+   memory, the block edges into small side buffers. Otherwise the span goes into a reused buffer and the region
+   is copied out of it (a column split, in runs of rows that fit the buffer; a dtype change).
 3. Every block read is checked against its recorded XXH3-64 digest (a whole item's framing too); a mismatch is
    a problem naming the file and the key (:attr:`problems`), reported by the load after the read, as the
    whole-file checksums were.
@@ -58,6 +58,9 @@ from .safe_pickle import SafeFileSystemReader, _SafeBytesPlanner
 __all__ = ["RangedFileSystemReader", "has_block_index"]
 
 _READ_THREADS = 4
+_DROP_BYTES = 1 << 20
+_BOUNCE_BYTES = 32 << 20
+"""The reused buffer of buffered reads; a larger strided region is read in runs of rows that fit it."""
 
 
 def has_block_index(path: Path) -> bool:
@@ -140,6 +143,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
         """Bytes this reader read from data files by ranges (the stock path's reads not included)."""
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, list[int]]] = {}
         self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -275,7 +279,19 @@ class RangedFileSystemReader(SafeFileSystemReader):
     def _read_tensor(self, fd: int, path: Path, item: ReadItem, entry: IndexedItem, target: torch.Tensor
                      ) -> torch.Tensor:
         dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
-        span = self._span(entry, item, dtype, sizes)[0]
+        span, contiguous = self._span(entry, item, dtype, sizes)
+        rows = item.lengths[0] if item.lengths else 1
+        if not contiguous and rows > 1 and span.end - span.start > _BOUNCE_BYTES:
+            # A large strided region (a column split): in runs of whole rows, through one reused buffer
+            per_run = max(1, rows * _BOUNCE_BYTES // (span.end - span.start))
+            for first in range(0, rows, per_run):
+                n = min(per_run, rows - first)
+                offsets = [item.storage_offsets[0] + first, *item.storage_offsets[1:]]
+                part = replace(item, storage_offsets=torch.Size(offsets),
+                               lengths=torch.Size([n, *item.lengths[1:]]))
+                self._read_tensor(fd, path, part, entry, target.narrow(0, first, n))
+            return target
+
         whole = span.start == 0 and span.end == entry.data_length
         if list(target.shape) != list(item.lengths):
             raise ValueError(f"{item.storage_index.fqn!r}: destination {list(target.shape)}, "
@@ -286,11 +302,13 @@ class RangedFileSystemReader(SafeFileSystemReader):
         at = entry.offset if whole else entry.data_offset + span.block_start
         direct = self._direct(item, entry, target)
         head, tail = memoryview(bytearray(head_len)), memoryview(bytearray(tail_len))
-        bounce = None if direct else torch.empty(span.end - span.start, dtype=torch.uint8)
+        bounce = None if direct else self._bounce(span.end - span.start)
         body = tensor_bytes(target if bounce is None else bounce)  # the destination's memory, or the bounce's
         expected = head_len + len(body) + tail_len
         n = _read_exactly(fd, [head, body, tail], at)
         self._count(n)
+        if n >= _DROP_BYTES:  # read once: leave the page cache to what is still to be read (module docstring)
+            os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)
         if n != expected:
             raise EOFError(f"{path}: {expected} bytes of {item.storage_index.fqn!r} at offset {at} expected, "
                            f"{n} read")
@@ -303,6 +321,15 @@ class RangedFileSystemReader(SafeFileSystemReader):
                 typed.reshape(list(item.lengths))
             target.copy_(region)
         return target
+
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        """A buffer for a read that cannot land in its destination: the reader's reused one where it fits (buffered
+        reads run one at a time, on the calling thread), so no fresh memory is faulted in for each."""
+        if nbytes > _BOUNCE_BYTES:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self._buffer is None:
+            self._buffer = torch.empty(_BOUNCE_BYTES, dtype=torch.uint8)
+        return self._buffer[:nbytes]
 
     def _verify(self, path: Path, item: ReadItem, entry: IndexedItem, span: _Span, whole: bool,
                 segments: list[memoryview]) -> None:
