@@ -98,3 +98,20 @@ def test_workers_end_with_a_killed_launcher(tmp_path: Path) -> None:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
     all_committed_verify(save)
+
+
+def test_a_damaged_data_file_is_said_once_under_torchrun(tmp_path: Path) -> None:
+    """A byte flipped in one rank's data file of a TP=2 checkpoint: the load's ranged reader finds it in the
+    block it reads and every rank stops with the same error -- printed once, naming the file and the tensor."""
+    save = tmp_path / "run"
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    peftckpt(["train", *TINY, *tp2, "--train-iters", "2", "--save", str(save)], 2)
+    data = save / "iter_0000002" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    data.write_bytes(bytes(raw))
+    load = peftckpt(["train", *TINY, *tp2, "--train-iters", "4", "--load", str(save)], 2, check=False)
+    assert load.returncode != 0
+    assert load.stderr.count("is damaged") == 1, load.stderr
+    assert f"{data}: xxh3_64 checksum mismatch in the bytes of 'model." in load.stderr
+    no_worker_traceback(load.stderr, 2)

@@ -482,6 +482,7 @@ class Checkpointer:
         """Raise :class:`CheckpointIntegrityError` on every rank if any rank found a damaged file."""
         error = damaged(v.ckpt, list(dict.fromkeys(p for ps in self.comm.gather(problems) for p in ps)), after_read)
         if error is not None:
+            error.every_rank = True  # every rank raises this same error: said once
             raise error
 
     def load(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
