@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from _timing import fsync_paths
-from peftckpt.checkpoint.storage.storage_layout import fsync_dir
+from peftckpt.checkpoint.storage.durable import fsync_dir
 
 __all__ = ["PlainDCP", "TorchSave", "HFPeft", "HF_TARGETS", "hf_available"]
 

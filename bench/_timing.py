@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peftckpt.checkpoint.storage.storage_layout import fsync_dir, fsync_file
+from peftckpt.checkpoint.storage.durable import fsync_dir, fsync_file
 
 __all__ = ["Stat", "Ctx", "raw_write", "raw_read", "evict", "dir_bytes", "fsync_paths", "rmtree", "machine_info"]
 

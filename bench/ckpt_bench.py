@@ -244,7 +244,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
 
     def bare_save(trainable_only: bool) -> Step:
         def save(d: Path) -> None:
-            flat = ck._build(trainable_only, True, OBJECTS, True).entries
+            flat = ck.parts.build(trainable_only, True, OBJECTS, True).entries
             with no_zip_crc32():  # framed as our blocking save frames it
                 dcp.save(flat, storage_writer=FileSystemWriter(d, sync_files=True, thread_count=1),
                          planner=EntrySavePlanner())
@@ -358,7 +358,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
     for kind in ("full", "trainable"):
         dirs.drop(raw_file(kind, n - 1))
     out["async"] = measure_async(args, ctx, dirs, b)
-    ck._host_buffers = {}  # the async saves' host copies of the mutable state
+    ck._host_buffers.clear()  # the async saves' host copies of the mutable state
     gc.collect()
     return out
 

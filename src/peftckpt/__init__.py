@@ -16,7 +16,7 @@ _EXPORTS = {
     "CheckpointError": "checkpoint.errors", "CheckpointFormatError": "checkpoint.errors",
     "CheckpointIntegrityError": "checkpoint.errors", "CheckpointMismatchError": "checkpoint.errors",
     "CheckpointNotFoundError": "checkpoint.errors", "StrictnessError": "checkpoint.errors",
-    "UnsafeCheckpointError": "checkpoint.errors", "SaveDirInUseError": "checkpoint.storage.save_lock",
+    "UnsafeCheckpointError": "checkpoint.errors", "SaveDirInUseError": "checkpoint.location.dir_lock",
     "StrictHandling": "checkpoint.checks.strictness", "KeyReport": "checkpoint.checks.strictness",
     "Manifest": "checkpoint.storage.manifest", "read_manifest": "checkpoint.storage.manifest",
     "VerifyReport": "checkpoint.tools.verify", "verify_checkpoint": "checkpoint.tools.verify",

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from peftckpt import Checkpointer, CheckpointError, FusedChunks, SaveOptions, declare_fused
-from peftckpt.checkpoint import api
+from peftckpt.checkpoint import rank_parts as api
 
 from .harness import run_distributed
 

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from peftckpt.checkpoint.storage.storage_layout import list_committed, read_tracker
+from peftckpt.checkpoint.location.directory import list_committed, read_tracker
 from peftckpt.checkpoint.tools.verify import verify_checkpoint
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",

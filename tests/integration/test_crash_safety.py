@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peftckpt.checkpoint.storage.storage_layout import list_committed, read_tracker
+from peftckpt.checkpoint.location.directory import list_committed, read_tracker
 from peftckpt.checkpoint.tools.verify import verify_checkpoint
 
 from .cli import TINY, peftckpt, read_dcp_tensors, train_records

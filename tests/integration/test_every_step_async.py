@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from peftckpt.checkpoint.storage.storage_layout import read_tracker
+from peftckpt.checkpoint.location.directory import read_tracker
 from peftckpt.checkpoint.tools.verify import verify_checkpoint
 
 from .cli import TINY, launch, peftckpt, train_records, until

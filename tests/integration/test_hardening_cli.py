@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from peftckpt.checkpoint.storage.storage_layout import TRACKER_FILENAME, read_tracker
+from peftckpt.checkpoint.location.directory import read_tracker
+from peftckpt.checkpoint.location.names import TRACKER_FILENAME
 
 from .cli import TINY, all_committed_verify, launch, no_worker_traceback, peftckpt, until
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from peftckpt.checkpoint.location.directory import read_tracker
 from peftckpt.checkpoint.storage.manifest import read_manifest
-from peftckpt.checkpoint.storage.storage_layout import read_tracker
 
 from .cli import TINY, all_committed_verify, launch, no_worker_traceback, peftckpt, until
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions
+from peftckpt.checkpoint.location.directory import resolve_checkpoint_dir
 from peftckpt.checkpoint.storage.manifest import read_manifest
-from peftckpt.checkpoint.storage.storage_layout import resolve_checkpoint_dir
 from peftckpt.model.config import GPTConfig, LoRAConfig
 from peftckpt.model.gpt import GPTModel
 from peftckpt.model.lora import apply_lora

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from peftckpt.checkpoint.location.directory import resolve_checkpoint_dir
 from peftckpt.checkpoint.storage.manifest import read_manifest
-from peftckpt.checkpoint.storage.storage_layout import resolve_checkpoint_dir
 from peftckpt.interop import InteropError, import_hf
 from tests.integration.cli import peftckpt, read_dcp_tensors
 from tests.interop.common import make_llama

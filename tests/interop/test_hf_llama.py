@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from peftckpt.checkpoint.api import Checkpointer
+from peftckpt.checkpoint.location.directory import resolve_checkpoint_dir
 from peftckpt.checkpoint.storage.manifest import read_manifest
-from peftckpt.checkpoint.storage.storage_layout import resolve_checkpoint_dir
 from peftckpt.interop import InteropError, import_hf
 from peftckpt.model.config import GPTConfig
 from peftckpt.model.gpt import GPTModel

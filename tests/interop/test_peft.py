@@ -11,8 +11,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from peftckpt.checkpoint.location.directory import resolve_checkpoint_dir
 from peftckpt.checkpoint.storage.manifest import read_manifest
-from peftckpt.checkpoint.storage.storage_layout import resolve_checkpoint_dir
 from peftckpt.interop import InteropError, import_hf, import_peft
 from peftckpt.train.data import GlobalBatchSampler, build_datasets
 from tests.integration.cli import peftckpt, read_dcp_tensors, train_records

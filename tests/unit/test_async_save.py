@@ -16,8 +16,8 @@ from torch import nn
 
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointError
+from peftckpt.checkpoint.location.directory import read_tracker
 from peftckpt.checkpoint.storage import formats
-from peftckpt.checkpoint.storage.storage_layout import read_tracker
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -30,16 +30,16 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from peftckpt.checkpoint.api import LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointError, CheckpointFormatError, UnsafeCheckpointError
-from peftckpt.checkpoint.storage.checksums import checksum_files
-from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.storage.save_lock import SaveDirInUseError, acquire_save_lock
-from peftckpt.checkpoint.storage.storage_layout import (
-    TRACKER_FILENAME,
+from peftckpt.checkpoint.location.dir_lock import SaveDirInUseError, acquire_save_lock
+from peftckpt.checkpoint.location.directory import (
     commit_staging,
     list_committed,
     new_staging_dir,
     read_tracker,
 )
+from peftckpt.checkpoint.location.names import TRACKER_FILENAME
+from peftckpt.checkpoint.storage.checksums import checksum_files
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.tools.inspect import inspect_path
 from peftckpt.checkpoint.tools.offline import open_checkpoint
 from peftckpt.checkpoint.tools.verify import verify_checkpoint
@@ -238,7 +238,7 @@ def test_commit_refuses_a_save_whose_data_another_save_deleted(tmp_path: Path,
     """The reported bug: a second save into the same directory removed the first one's staging directory
     while it was being written; the first then committed a checkpoint without data. (Two runs are kept apart
     by the run lock; two checkpointers of one process share it, so the commit's own check is what stops this.)"""
-    from peftckpt.checkpoint import api
+    from peftckpt.checkpoint import save as api
 
     save = tmp_path / "save"
     first, _ = small_checkpointer()
@@ -361,7 +361,7 @@ def test_garbled_trackers_are_messages(tmp_path: Path, content: str | bytes) -> 
 
 
 def test_commit_failure_says_what_is_committed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import peftckpt.checkpoint.storage.storage_layout as layout
+    import peftckpt.checkpoint.location.protocol as layout
 
     save = tmp_path / "save"
     ckpt, _ = small_checkpointer()
@@ -398,7 +398,7 @@ def test_retention_never_deletes_the_checkpoint_just_committed(tmp_path: Path) -
 # ---------------------------------------------------------------------------------------------- run lock
 _HOLD = """
 import sys, time
-from peftckpt.checkpoint.storage.save_lock import acquire_save_lock
+from peftckpt.checkpoint.location.dir_lock import acquire_save_lock
 acquire_save_lock(sys.argv[1])
 print("held", flush=True)
 sys.stdin.read()

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from peftckpt.checkpoint.api import Checkpointer, SaveOptions
+from peftckpt.checkpoint.location.directory import new_staging_dir, write_tracker
 from peftckpt.checkpoint.storage.checksums import checksum_files
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.storage.storage_layout import new_staging_dir, write_tracker
 from peftckpt.checkpoint.tools.inspect import (
     COMMITTED,
     CORRUPTED,

@@ -26,9 +26,10 @@ from peftckpt import (
     SaveOptions,
 )
 from peftckpt.checkpoint import api
+from peftckpt.checkpoint.location.directory import read_tracker
+from peftckpt.checkpoint.location.names import LOCK_FILENAME
 from peftckpt.checkpoint.state import builder
 from peftckpt.checkpoint.storage import formats
-from peftckpt.checkpoint.storage.storage_layout import LOCK_FILENAME, read_tracker
 from peftckpt.sharding.entries import GlobalTensor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

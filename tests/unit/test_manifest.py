@@ -11,6 +11,7 @@ import xxhash
 
 import peftckpt
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
+from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
 from peftckpt.checkpoint.storage.checksums import (
     CHECKSUM_ALGORITHM,
     HASH_BLOCK_BYTES,
@@ -20,7 +21,6 @@ from peftckpt.checkpoint.storage.checksums import (
     verify_files,
 )
 from peftckpt.checkpoint.storage.manifest import FORMAT_VERSION, Manifest, read_manifest
-from peftckpt.checkpoint.storage.storage_layout import MANIFEST_FILENAME
 
 
 def _manifest(**kw: object) -> Manifest:

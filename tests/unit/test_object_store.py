@@ -15,16 +15,13 @@ import pytest
 import torch
 
 from peftckpt import CheckpointError
+from peftckpt.checkpoint.location.names import CheckpointFallbackWarning
+from peftckpt.checkpoint.location.protocol import list_committed, read_tracker, resolve
+from peftckpt.checkpoint.location.store import StorePrefix, clean_uncommitted
+from peftckpt.checkpoint.location.store_lease import acquire_remote_lock
+from peftckpt.checkpoint.location.urls import parse_location, url_problem
 from peftckpt.checkpoint.options import LoadOptions, SaveOptions
-from peftckpt.checkpoint.storage.object_store import ObjectStore, parse_location, url_problem
-from peftckpt.checkpoint.storage.remote_layout import (
-    clean_uncommitted,
-    list_committed,
-    read_tracker,
-    resolve,
-)
-from peftckpt.checkpoint.storage.remote_lock import acquire_remote_lock
-from peftckpt.checkpoint.storage.storage_layout import CheckpointFallbackWarning
+from peftckpt.checkpoint.storage.object_store import ObjectStore
 
 from ..s3_server import BUCKET, S3Server, s3_server
 from .small_model import small_checkpointer
@@ -80,9 +77,9 @@ def test_save_load_retention_and_the_tracker_rule(s3: S3Server) -> None:
         assert ckpt.save(url, it, options=SaveOptions(keep_last_k=2)) == f"{url}/iter_{it:07d}"
         saved[it] = _weights(model)
     store = ObjectStore(url)
-    assert list_committed(store) == [2, 3] and read_tracker(store) == 3  # iteration 1 retired
+    assert list_committed(StorePrefix(store)) == [2, 3] and read_tracker(StorePrefix(store)) == 3  # iteration 1 retired
     ckpt.save(url, 1, options=SaveOptions(keep_last_k=5))  # a late save of an older iteration
-    assert read_tracker(store) == 3  # the tracker keeps naming the newest
+    assert read_tracker(StorePrefix(store)) == 3  # the tracker keeps naming the newest
     ckpt.close()
     assert _loads_as(url, saved[3]) == 3
     assert _loads_as(f"{url}/iter_0000002", saved[2]) == 2
@@ -110,7 +107,7 @@ def test_resaving_a_committed_iteration_never_leaves_it_without_a_complete_copy(
     # copy, with a warning, and the next save finishes the promotion.
     store.delete("iter_0000005/metadata.json")
     with pytest.warns(CheckpointFallbackWarning, match="was being re-saved"):
-        assert resolve(store) == (staged[0], 5)
+        assert resolve(StorePrefix(store)) == (staged[0], 5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointFallbackWarning)
         assert _loads_as(url, new) == 5
@@ -138,7 +135,7 @@ def test_async_saves_upload_in_the_background_and_commit(s3: S3Server) -> None:
     ckpt.wait()
     assert all(h.done() for h in handles)
     ckpt.close()
-    assert list_committed(ObjectStore(url)) == [1, 2]
+    assert list_committed(StorePrefix(url)) == [1, 2]
     assert _loads_as(url, expected) == 2
 
 
@@ -163,8 +160,8 @@ def test_missing_bucket_and_damage_are_one_error_each(s3: S3Server) -> None:
 _OTHER_RUN = """
 import sys
 from peftckpt.checkpoint.storage.object_store import ObjectStore
-from peftckpt.checkpoint.storage.remote_lock import acquire_remote_lock
-from peftckpt.checkpoint.storage.save_lock import SaveDirInUseError
+from peftckpt.checkpoint.location.store_lease import acquire_remote_lock
+from peftckpt.checkpoint.location.dir_lock import SaveDirInUseError
 try:
     acquire_remote_lock(ObjectStore(sys.argv[1])).release()
 except SaveDirInUseError as e:
@@ -203,4 +200,4 @@ def test_one_run_per_location_across_processes(s3: S3Server, monkeypatch: pytest
     with pytest.raises(CheckpointError, match=f"save location {url} was taken over by another run"):
         ckpt.save(url, 1)
     ckpt.close()
-    assert list_committed(store) == []
+    assert list_committed(StorePrefix(store)) == []

@@ -8,23 +8,24 @@ from pathlib import Path
 import pytest
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError
-from peftckpt.checkpoint.storage.storage_layout import (
-    MANIFEST_FILENAME,
-    TRACKER_FILENAME,
-    CheckpointFallbackWarning,
+from peftckpt.checkpoint.location.directory import (
     apply_retention,
-    atomic_write_bytes,
     clean_stale_staging,
     commit_staging,
-    fsync_tree,
-    iteration_dirname,
     list_committed,
     new_staging_dir,
-    parse_iteration_dirname,
     read_tracker,
     resolve_checkpoint_dir,
     write_tracker,
 )
+from peftckpt.checkpoint.location.names import (
+    MANIFEST_FILENAME,
+    TRACKER_FILENAME,
+    CheckpointFallbackWarning,
+    iteration_dirname,
+    parse_iteration_dirname,
+)
+from peftckpt.checkpoint.storage.durable import atomic_write_bytes, fsync_tree
 
 
 def _save(save: Path, iteration: int, payload: bytes = b"data", token: str = "tok", **kw: object) -> Path:

@@ -14,10 +14,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError
+from peftckpt.checkpoint.location.directory import commit_staging, new_staging_dir
 from peftckpt.checkpoint.storage.checksums import checksum_files
 from peftckpt.checkpoint.storage.manifest import Manifest
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
-from peftckpt.checkpoint.storage.storage_layout import commit_staging, new_staging_dir
 from peftckpt.checkpoint.tools.verify import verify_checkpoint
 from peftckpt.cli.verify import verify_main
 

@@ -6,7 +6,6 @@ package (one module per tool family); the trainer's flags are in :mod:`peftckpt.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -14,7 +13,7 @@ __all__ = ["main", "COMMANDS"]
 
 #: command -> (module, function taking argv and returning the exit code, one-line description).
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("peftckpt.cli", "_train", "train a GPT (+ LoRA) with TP x PP x DP; under torchrun for >1 process"),
+    "train": ("peftckpt.cli.train", "train_main", "train a GPT (+ LoRA) with TP x PP x DP; under torchrun for >1 process"),
     "eval": ("peftckpt.train.evaluate", "eval_main", "mean next-token loss of a base (+ adapter) on --data-path"),
     "verify": ("peftckpt.cli.verify", "verify_main", "check a checkpoint's files against its manifest"),
     "inspect": ("peftckpt.cli.inspect", "inspect_main",
@@ -35,22 +34,6 @@ def _usage() -> str:
     lines = [f"  {c:<{width}}  {desc}" for c, (_, _, desc) in COMMANDS.items()]
     return ("usage: peftckpt <command> [options]\n\ncommands:\n" + "\n".join(lines)
             + "\n\n`peftckpt <command> --help` for the options of a command.")
-
-
-def _train(argv: Sequence[str]) -> int:
-    from ..train.args import ArgumentError, parse_train_args
-    from .parsing import say_once
-
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        args = parse_train_args(list(argv), world_size)
-    except ArgumentError as e:
-        say_once("peftckpt train", e, rank, world_size)
-        return 2
-    from ..train.run import exit_multi_rank, run_training
-
-    return exit_multi_rank(run_training(args, world_size, rank), world_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.storage.storage_layout import MANIFEST_FILENAME, TRACKER_FILENAME
+from ..checkpoint.location.names import MANIFEST_FILENAME, TRACKER_FILENAME
 from .parsing import HelpFormatter, parse_or_exit_code, print_error
 
 __all__ = ["inspect_main"]

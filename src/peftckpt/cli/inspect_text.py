@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from peftckpt.checkpoint.location.names import TRACKER_FILENAME
 from peftckpt.checkpoint.state.sections import MODEL, OPTIMIZER, RNG_STATE
-from peftckpt.checkpoint.storage.storage_layout import TRACKER_FILENAME
 from peftckpt.checkpoint.tools.inspect import (
     CheckpointReport,
     InspectReport,

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.storage.object_store import url_problem as store_url_problem
-from ..checkpoint.storage.paths import url_problem
+from ..checkpoint.location.urls import local_only_problem, url_problem
 from .parsing import HelpFormatter, print_error
 
 __all__ = ["import_hf_main", "export_hf_main", "export_peft_main", "import_peft_main"]
@@ -40,7 +39,7 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str], action
 def local_path(value: str) -> str:
     """An argparse ``type`` for a path that must be local: a URL (``s3://...``) is a usage error, not a directory
     ``s3:``."""
-    problem = url_problem(value)
+    problem = local_only_problem(value)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{value} {problem}")
     return value
@@ -48,7 +47,7 @@ def local_path(value: str) -> str:
 
 def checkpoint_location(value: str) -> str:
     """An argparse ``type`` for a checkpoint to read: a local path or a URL of a supported object store."""
-    problem = store_url_problem(value)
+    problem = url_problem(value)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{value} {problem}")
     return value

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.storage.object_store import is_url, url_problem
+from ..checkpoint.location.urls import url_problem
 from .parsing import HelpFormatter, parse_or_exit_code
 
 __all__ = ["verify_main"]
@@ -36,19 +35,19 @@ def verify_main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"peftckpt verify: error: DIR {args.dir} {problem}", file=sys.stderr)
         return 2
-    target: str | Path = args.dir if is_url(args.dir) else Path(args.dir)
-    if isinstance(target, Path) and not target.exists():
-        print(f"peftckpt verify: error: DIR {target} does not exist", file=sys.stderr)
+    from ..checkpoint.location.locate import locate  # torch: not needed to parse flags or print --help
+    from ..checkpoint.tools.verify import verify_checkpoint
+
+    target = locate(args.dir, "DIR")
+    if target.known_missing():
+        print(f"peftckpt verify: error: DIR {target.text} does not exist", file=sys.stderr)
         return 2
-    from ..checkpoint.tools.verify import (
-        verify_checkpoint,  # torch: not needed to parse flags or print --help
-    )
 
     try:
         report = verify_checkpoint(target)
     except CheckpointError as exc:
         if args.json:
-            print(json.dumps({"path": str(target), "ok": False, "problems": [str(exc)]}, indent=2))
+            print(json.dumps({"path": target.text, "ok": False, "problems": [str(exc)]}, indent=2))
         print(f"peftckpt verify: {exc}", file=sys.stderr)
         return 1
     if args.json:

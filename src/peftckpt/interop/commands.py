@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,10 @@ from torch import nn
 
 from ..checkpoint.api import Checkpointer, SaveOptions
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
-from ..checkpoint.remote import manifest_at
+from ..checkpoint.location.directory import Directory
+from ..checkpoint.location.locate import locate, manifest_at
+from ..checkpoint.location.urls import local_only_problem
 from ..checkpoint.state.fingerprint import fingerprint_version
-from ..checkpoint.storage.object_store import is_url, parse_location
-from ..checkpoint.storage.paths import url_problem
 from ..checkpoint.tools.offline import OfflineCheckpoint, lazy_entries, lazy_fingerprint, open_checkpoint
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
@@ -40,13 +39,13 @@ _COORDS = {"tp": 0, "pp": 0, "dp": 0}
 
 
 def _fresh_output(path: str | os.PathLike[str], flag: str) -> Path:
-    problem = url_problem(path)
+    """A new (or empty) local output directory ``path`` (refused, naming ``flag``, otherwise)."""
+    problem = local_only_problem(path)
+    if problem is None:
+        problem = Directory(path).new_output_problem(flag)
     if problem is not None:
-        raise InteropError(f"{flag} {path} {problem}; nothing was written")
-    out = Path(path)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InteropError(f"{flag} {out} already exists and is not an empty directory; nothing was written")
-    return out
+        raise InteropError(f"{problem if problem.startswith(flag) else f'{flag} {path} {problem}'}; nothing was written")
+    return Path(path)
 
 
 # ----------------------------------------------------------------------------------------- import-hf
@@ -64,41 +63,19 @@ class _StreamedChunk(nn.Module):
 
 @contextlib.contextmanager
 def _output_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """A new (or empty) output directory ``OUT`` that is removed again if the command fails: nothing
+    """A new (or empty) local output directory ``OUT`` that is removed again if the command fails: nothing
     half-written is left behind."""
-    out = _fresh_output(path, "OUT")
-    existed = out.exists()
-    try:
-        yield out
-    except BaseException:
-        if existed:
-            for child in out.iterdir():
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
-        else:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    _fresh_output(path, "OUT")
+    with Directory(path).as_new_output("OUT") as out:
+        yield Path(out)
 
 
 @contextlib.contextmanager
 def _checkpoint_output(path: str | os.PathLike[str]) -> Iterator[Path | str]:
-    """An import's save location ``OUT``: a new or empty local directory (:func:`_output_dir`), or a location on
-    an object store that holds nothing yet, whose objects are deleted again if the import fails."""
-    location = parse_location(path, "OUT")
-    if isinstance(location, Path):
-        with _output_dir(location) as out:
-            yield out
-        return
-    location.check_reachable()
-    if location.children():
-        raise InteropError(f"OUT {location.url} already holds objects; nothing was written")
-    try:
-        yield location.url
-    except BaseException:
-        location.delete("")
-        raise
+    """An import's save location ``OUT``: a new or empty local directory, or a location on an object store that
+    holds nothing yet; what the import wrote is deleted again if it fails."""
+    with locate(path, "OUT").as_new_output("OUT") as out:
+        yield out
 
 
 def import_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], dtype: torch.dtype | None = None
@@ -236,7 +213,7 @@ def _base_path(ckpt: OfflineCheckpoint, base: str | os.PathLike[str] | None) -> 
     if base is not None:
         return str(base)
     recorded = ckpt.manifest.args.get("pretrained_checkpoint") if ckpt.manifest.args else None
-    if not recorded or not (is_url(recorded) or Path(recorded).exists()):
+    if not recorded or locate(recorded, "--base").known_missing():
         where = f" (it was trained on {recorded}, which is not there)" if recorded else ""
         raise InteropError(f"checkpoint {ckpt.where} is adapter-only: pass the base it was trained on with "
                            f"--base{where}")

@@ -163,7 +163,7 @@ def write_hf_dir(path: str | os.PathLike[str], config: Mapping[str, Any],
                  tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Write ``config.json`` + ``model.safetensors`` into directory ``path``, the tensors announced by ``specs``
     and produced one at a time by ``tensors`` (never all in memory); both files fsynced."""
-    from ..checkpoint.storage.storage_layout import fsync_dir, fsync_file
+    from ..checkpoint.storage.durable import fsync_dir, fsync_file
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)

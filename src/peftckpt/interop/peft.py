@@ -182,7 +182,7 @@ def write_peft_dir(path: str | os.PathLike[str], config: Mapping[str, Any], tens
     """Write a PEFT adapter directory (fsynced)."""
     from safetensors.torch import save_file
 
-    from ..checkpoint.storage.storage_layout import fsync_dir, fsync_file
+    from ..checkpoint.storage.durable import fsync_dir, fsync_file
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)

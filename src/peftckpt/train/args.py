@@ -270,7 +270,7 @@ def _manifest_of(path: str | None) -> Manifest | None:
     if not path:
         return None
     from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.remote import manifest_at
+    from ..checkpoint.location.locate import manifest_at
 
     try:
         with warnings.catch_warnings():

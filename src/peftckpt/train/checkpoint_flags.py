@@ -4,20 +4,17 @@ time, and the start-up check of the paths they name (before any model is built).
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint.checks.strictness import StrictHandling
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.location.dir_lock import SaveDirInUseError
+from ..checkpoint.location.urls import url_problem
 from ..checkpoint.storage.manifest import TORCH, TORCH_DIST
-from ..checkpoint.storage.object_store import ObjectStore, is_url, parse_location, url_problem
-from ..checkpoint.storage.save_lock import SaveDirInUseError, SaveDirLock, acquire_save_lock
 from .errors import ArgumentError
 
 if TYPE_CHECKING:
-    from ..checkpoint.storage.remote_lock import RemoteLock
+    from ..checkpoint.location.base import Held
 
 __all__ = ["add_checkpoint_args", "validate_checkpoint_args", "check_checkpoint_paths"]
 
@@ -76,18 +73,6 @@ def refuse_urls(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--{dest.replace('_', '-')} {value} {problem}")
 
 
-def _store_problem(flag: str, value: str) -> str | None:
-    """Why the object-store location ``value`` cannot be used (bucket, credentials, endpoint), or ``None``."""
-    location = parse_location(value, flag)
-    if not isinstance(location, ObjectStore):
-        return None
-    try:
-        location.check_reachable()
-    except CheckpointError as e:
-        return f"{flag} {e}"
-    return None
-
-
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
     """Refuse checkpoint flag combinations that cannot work."""
     if args.save_trainable_params_only and args.ckpt_format != TORCH_DIST:
@@ -113,65 +98,32 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--keep-last-k must be >= 1, got {args.keep_last_k}")
 
 
-def _save_dir_problem(flag: str, value: str) -> str | None:
-    """Why ``value`` cannot become a save directory, or ``None``: it is a writable directory, or its nearest
-    existing ancestor is one (the run lock creates it). Nothing is left behind by the check."""
-    path = Path(value)
-    if path.exists() and not path.is_dir():
-        return f"{flag} {value} is a file, not a directory"
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{flag} {value} is not a writable directory ({probe} is a file)"
-    try:
-        with tempfile.NamedTemporaryFile(dir=probe, prefix=".peftckpt-write-test."):
-            pass
-    except OSError as e:
-        return f"{flag} {value} is not a writable directory ({e.strerror or e})"
-    return None
-
-
-def _read_dir_problem(flag: str, value: str, must_exist: bool) -> str | None:
-    """Why ``value`` cannot be read as a checkpoint or save directory, or ``None``."""
-    path = Path(value)
-    if not path.exists():
-        return f"{flag} {value} does not exist" if must_exist else None
-    if not path.is_dir():
-        return f"{flag} {value} is a file, not a checkpoint or save directory"
-    if not os.access(path, os.R_OK | os.X_OK):
-        return f"{flag} {value} is not readable"
-    return None
-
-
-def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock | RemoteLock | None:
+def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> Held | None:
     """Before any model is built or any iteration runs (collective): every rank checks that ``--load`` and
     ``--pretrained-checkpoint`` are readable and that ``--save`` (and ``--ckpt-convert-save``) is, or can be
-    created as, a writable directory; rank 0 then locks the save directory for the run's life (creating it; a
-    run that ends without saving anything leaves no trace of it, see ``SaveDirLock.release``).
+    created as, a writable directory (rank 0 probes a store location once: nothing is written); rank 0 then locks
+    the save location for the run's life (creating a directory; a run that ends without saving anything leaves
+    no trace of it, see ``SaveDirLock.release``).
 
     Returns the lock (rank 0, with ``--save``), to release when the run ends.
 
     Raises (on every rank, with the same message):
         ArgumentError: a path flag that cannot work, naming the flag, the path and the rank(s).
-        SaveDirInUseError: another live run holds the save directory.
+        SaveDirInUseError: another live run holds the save location.
     """
+    from ..checkpoint.collectives import Collectives  # torch: only once a run starts
+    from ..checkpoint.location.locate import locate
+
     flags = {"--load": args.load, "--pretrained-checkpoint": args.pretrained_checkpoint, "--save": args.save,
              "--ckpt-convert-save": args.ckpt_convert_save}
-    remote = {flag: v for flag, v in flags.items() if v and is_url(v)}
-    local = {flag: v for flag, v in flags.items() if v and flag not in remote}
-    problems = [p for p in (
-        _read_dir_problem("--load", local["--load"], must_exist=False) if "--load" in local else None,
-        _read_dir_problem("--pretrained-checkpoint", local["--pretrained-checkpoint"], must_exist=True)
-        if "--pretrained-checkpoint" in local else None,
-    ) if p is not None]
+    locs = {flag: locate(v, flag) for flag, v in flags.items() if v}
+    problems = [p for flag, must_exist in (("--load", False), ("--pretrained-checkpoint", True)) if flag in locs
+                and (p := locs[flag].local_problem(flag, write=False, must_exist=must_exist)) is not None]
     if not problems:
         problems = [p for flag in ("--save", "--ckpt-convert-save")
-                    if flag in local and (p := _save_dir_problem(flag, local[flag])) is not None]
+                    if flag in locs and (p := locs[flag].local_problem(flag, write=True)) is not None]
     if not problems and rank == 0:  # one probe of each store location (nothing is written)
-        problems = [p for flag, v in remote.items() if (p := _store_problem(flag, v)) is not None]
-    from ..checkpoint.collectives import Collectives  # torch: only once a run starts
-
+        problems = [p for flag, loc in locs.items() if (p := loc.store_problem(flag)) is not None]
     comm = Collectives()
     found = comm.gather(problems)
     if any(found):
@@ -179,25 +131,18 @@ def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> SaveDirLock |
         ranks = [r for r, ps in enumerate(found) if ps]
         where = "" if len(found) == 1 else f" (seen by rank(s) {', '.join(map(str, ranks))})"
         raise ArgumentError("; ".join(lines) + where)
-    lock: SaveDirLock | RemoteLock | None = None
+    lock: Held | None = None
     error: tuple[bool, str] | None = None
-    target = args.ckpt_convert_save if args.ckpt_convert_format else args.save
-    if rank == 0 and target:
-        from ..checkpoint.remote import spool_dir
-        from ..checkpoint.storage.remote_lock import acquire_remote_lock
-
-        location = parse_location(target, "--save")
+    flag = "--ckpt-convert-save" if args.ckpt_convert_format else "--save"
+    if rank == 0 and flag in locs:
         try:
-            if isinstance(location, ObjectStore):
-                lock = acquire_remote_lock(location, acquire_save_lock(spool_dir(location)))
-            else:
-                lock = acquire_save_lock(location)
+            lock = locs[flag].lock()
         except SaveDirInUseError as e:
             error = (True, str(e))
         except OSError as e:
-            error = (False, f"cannot lock save directory {target}: {e.strerror or e}")
+            error = (False, f"cannot lock save directory {locs[flag].text}: {e.strerror or e}")
         except CheckpointError as e:
-            error = (False, f"cannot lock save location {target}: {e}")
+            error = (False, f"cannot lock save location {locs[flag].text}: {e}")
     errors = [e for e in comm.gather(error) if e]
     if errors:
         in_use, message = errors[0]

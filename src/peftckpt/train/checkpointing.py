@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -15,10 +14,9 @@ from torch import nn
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from ..checkpoint.checks.strictness import StrictHandling
 from ..checkpoint.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
-from ..checkpoint.remote import join, tracker_at
+from ..checkpoint.location.locate import locate, tracker_at
+from ..checkpoint.location.names import iteration_dirname
 from ..checkpoint.state.sections import DATA, ITERATION, MODEL, OPT_PARAM_SCHEDULER
-from ..checkpoint.storage.object_store import is_url
-from ..checkpoint.storage.storage_layout import iteration_dirname
 from ..model.config import GPTConfig, LoRAConfig
 from ..parallel.dims import ParallelDims, ParallelMeshes
 from .data import GlobalBatchSampler
@@ -119,7 +117,7 @@ class TrainerCheckpointing:
         except CheckpointNotFoundError as e:
             if a.exit_on_missing_checkpoint:
                 raise CheckpointError(f"--exit-on-missing-checkpoint: {e}") from None
-            said = "does not exist" if not (is_url(a.load) or Path(a.load).exists()) else "holds no committed checkpoint"
+            said = "does not exist" if locate(a.load, "--load").known_missing() else "holds no committed checkpoint"
             t.logger.info(f"--load {a.load} {said}; starting from scratch (--exit-on-missing-checkpoint makes "
                           "this an error)")
             return
@@ -188,12 +186,13 @@ class TrainerCheckpointing:
         last = tracker_at(a.save)
         if last is None:
             return f"{said}; no checkpoint is committed in --save {a.save} yet"
-        return (f"{said}; last committed checkpoint: {join(a.save, iteration_dirname(last))}; "
+        where = locate(a.save, "--save").describe(iteration_dirname(last))
+        return (f"{said}; last committed checkpoint: {where}; "
                 "rerun the same command to resume")
 
     def close(self) -> None:
         """Commit a save still in flight and drop the checkpointer's references to the run lock (collective;
-        on an object store the last reference deletes the lease object, see ``remote_lock``)."""
+        on an object store the last reference deletes the lease object, see ``store_lease``)."""
         self.ckpt.close()
 
     def convert(self) -> None:

@@ -24,9 +24,9 @@ from typing import Any, Protocol, cast
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from peftckpt.checkpoint.errors import CheckpointFormatError
+from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
 from peftckpt.checkpoint.storage.manifest import CHECKSUM_ALGORITHM, Manifest
 from peftckpt.checkpoint.storage.paths import recorded_file_problem
-from peftckpt.checkpoint.storage.storage_layout import MANIFEST_FILENAME
 
 __all__ = [
     "CHECKSUM_ALGORITHM",

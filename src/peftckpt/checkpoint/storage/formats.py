@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,22 +24,21 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..async_save import copy_objects, host_copy, unchanged_since
 from ..checks.integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems, unwritten_pieces
 from ..errors import CheckpointError, CheckpointFormatError
 from ..faults import fault_point
+from ..options import SaveOptions
+from ..snapshot import copy_objects, host_copy, unchanged_since
 from .checksums import ChecksummingFileSystem
 from .dcp_reader import RangedFileSystemReader
 from .dcp_writer import FramedFileSystemWriter, save_state_dict
+from .key_listing import KeyListing, list_dcp_keys, list_legacy_keys
 from .legacy import LegacyRankFile, rank_file, save_rank_file
 from .manifest import TORCH, TORCH_DIST, Manifest
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import load_dcp_metadata
 
-if TYPE_CHECKING:
-    from ..commit import PendingCommit
-
-__all__ = ["StorageFormat", "StoredCheckpoint", "WriteJob", "TorchDistFormat", "LegacyTorchFormat", "FORMATS", "storage_format", "no_zip_crc32"]
+__all__ = ["StorageFormat", "StoredCheckpoint", "WriteJob", "Written", "TorchDistFormat", "LegacyTorchFormat", "FORMATS", "storage_format", "no_zip_crc32"]
 
 
 @dataclass
@@ -48,9 +47,13 @@ class WriteJob:
 
     flat: dict[str, Any]
     """This rank's ``{storage key: entry}``."""
-    commit: PendingCommit
-    """The save being made; an async write hands it its future, a checksumming writer its digests."""
+    staging: Path
+    """The directory this rank writes its files into."""
+    iteration: int
+    options: SaveOptions
     rank: int
+    coords: Mapping[str, int]
+    layout: Mapping[str, int]
     group: dist.ProcessGroup | None
     chunks: Sequence[nn.Module]
     optimizer: torch.optim.Optimizer | None
@@ -59,8 +62,24 @@ class WriteJob:
     async_group: Callable[[], dist.ProcessGroup | None] | None = None
     """The background save's own process group (created on first use)."""
     after_write: Callable[[], None] | None = None
-    """Run by an async save's thread once this rank's files are written (the upload to an object store, the
+    """Run by an async save's thread once this rank's files are written (the hand-over to the location, the
     commit)."""
+
+
+@dataclass
+class Written:
+    """What a format's write produced on one rank; an async write's thread fills it in as it goes."""
+
+    checksums: ChecksummingFileSystem | None = None
+    """Digests of the files, taken while they were written."""
+    metadata: Any = None
+    """The DCP metadata the write recorded (rank 0), checked by the commit without reading it back."""
+    future: Future[Any] | None = None
+    """The background write of an async save."""
+    snapshot_taken: threading.Event | None = None
+    """Set once a deferred snapshot (``SaveOptions.defer_snapshot``) is copied to host memory."""
+    release: threading.Event | None = None
+    """An async write's thread starts once this is set (when every rank agreed the write began)."""
 
 
 class StoredCheckpoint(Protocol):
@@ -95,9 +114,9 @@ class StorageFormat(Protocol):
     holds_trainable_only: ClassVar[bool]
     """Can hold a trainable-only checkpoint (its tensors keep ``requires_grad``, which selects them)."""
 
-    def write(self, job: WriteJob) -> threading.Event | None:
-        """Write this rank's files into ``job.commit.staging``. An async write returns the event that lets its
-        thread start (set once every rank agreed the write began)."""
+    def write(self, job: WriteJob) -> Written:
+        """Write this rank's files into ``job.staging`` (an async write: start a thread that will, once its
+        ``release`` is set)."""
         ...
 
     def files_written_by(self, staging: Path, rank: int, coords: Mapping[str, int],
@@ -123,6 +142,11 @@ class StorageFormat(Protocol):
     def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
         """Offline check of the stored structure against the manifest (raises ``UnsafeCheckpointError`` for
         metadata that must not be used at all)."""
+        ...
+
+    def list_keys(self, root: Path, problems: list[str]) -> KeyListing:
+        """The keys the files of ``root`` hold, read without loading a tensor (``inspect``); what stops the
+        listing is added to ``problems``."""
         ...
 
 
@@ -152,28 +176,28 @@ class TorchDistFormat:
     hashes_while_reading: ClassVar[bool] = True
     holds_trainable_only: ClassVar[bool] = True
 
-    def write(self, job: WriteJob) -> threading.Event | None:
-        c = job.commit
+    def write(self, job: WriteJob) -> Written:
+        c = Written()
         # One item resolved, framed and written at a time (lazy entries stream; see EntrySavePlanner).
-        writer = FramedFileSystemWriter(c.staging, sync_files=True)
+        writer = FramedFileSystemWriter(job.staging, sync_files=True)
         # Checksum each file as it is written (overlapping I/O and hashing).
         writer.fs = c.checksums = ChecksummingFileSystem()
-        planner = EntrySavePlanner(on_item=lambda: fault_point("data", job.rank, c.iteration))
-        if not c.options.async_save:
+        planner = EntrySavePlanner(on_item=lambda: fault_point("data", job.rank, job.iteration))
+        if not job.options.async_save:
             with no_zip_crc32():  # for objects, and any tensor the framing leaves to torch.save
                 c.metadata = save_state_dict(job.flat, writer, planner, job.group)
-            return None
+            return c
         # Training is blocked only for the copy to host memory (or, deferred, not even for that: the copy runs
         # first in the thread, and `snapshot_taken` tells the caller's fence when it is done); DCP plans and
         # writes in a thread of its own (its save steps there: `dcp.async_save` would walk every entry here).
         group = None if job.async_group is None else job.async_group()
-        release = threading.Event()  # the thread starts once the save call returns, not competing for the GIL
+        release = c.release = threading.Event()  # the thread starts once the save call returns, not competing for the GIL
 
         def keep_buffers(taken: tuple[dict[str, Any], dict[str, Any], Callable[[], None]]) -> None:
             job.host_buffers.clear()
             job.host_buffers.update(taken[1])
 
-        if c.options.defer_snapshot:
+        if job.options.defer_snapshot:
             flat = copy_objects(job.flat)
             unchanged = unchanged_since(flat, "Checkpointer.snapshot_fence()")
             taken_event = c.snapshot_taken = threading.Event()
@@ -199,13 +223,13 @@ class TorchDistFormat:
             result = c.metadata = save_state_dict(snapshot, writer, planner, group)
             check_frozen_unchanged()
             if job.after_write is not None:
-                job.after_write()  # the upload to a store, then the commit
+                job.after_write()  # the hand-over (a store uploads), then the commit
             return result
 
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
         c.future = executor.submit(write)
         executor.shutdown(wait=False)  # its one thread ends with the save
-        return release
+        return c
 
     def files_written_by(self, staging: Path, rank: int, coords: Mapping[str, int],
                          layout: Mapping[str, int]) -> list[Path]:
@@ -228,6 +252,9 @@ class TorchDistFormat:
 
     def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
         return dcp_problems(root, manifest)
+
+    def list_keys(self, root: Path, problems: list[str]) -> KeyListing:
+        return list_dcp_keys(root, problems)
 
 
 class _DcpCheckpoint:
@@ -260,11 +287,11 @@ class LegacyTorchFormat:
     hashes_while_reading: ClassVar[bool] = False
     holds_trainable_only: ClassVar[bool] = False  # saves detached tensors: requires_grad is lost
 
-    def write(self, job: WriteJob) -> threading.Event | None:
-        c = job.commit
-        fault_point("data", job.rank, c.iteration)
-        save_rank_file(c.staging, job.chunks, job.optimizer, c.coords, c.layout, job.flat, c.options.save_optim)
-        return None
+    def write(self, job: WriteJob) -> Written:
+        fault_point("data", job.rank, job.iteration)
+        save_rank_file(job.staging, job.chunks, job.optimizer, job.coords, job.layout, job.flat,
+                       job.options.save_optim)
+        return Written()
 
     def files_written_by(self, staging: Path, rank: int, coords: Mapping[str, int],
                          layout: Mapping[str, int]) -> list[Path]:
@@ -282,6 +309,9 @@ class LegacyTorchFormat:
 
     def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
         return []
+
+    def list_keys(self, root: Path, problems: list[str]) -> KeyListing:
+        return list_legacy_keys(root, problems)
 
 
 FORMATS: dict[str, StorageFormat] = {f.name: f for f in (TorchDistFormat(), LegacyTorchFormat())}

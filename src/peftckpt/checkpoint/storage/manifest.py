@@ -1,6 +1,6 @@
 """The JSON manifest of a checkpoint (never pickle).
 
-The manifest is ``<ckpt>/metadata.json``; :mod:`peftckpt.checkpoint.storage.storage_layout` writes it last, so
+The manifest is ``<ckpt>/metadata.json``; the commit protocol (:mod:`peftckpt.checkpoint.location.protocol`) writes it last, so
 its presence means "committed". It records what was saved and how plus the size and
 checksum of every other file of the checkpoint (:mod:`peftckpt.checkpoint.storage.checksums` computes and checks
 them), and a SHA-256 of itself.
@@ -19,8 +19,8 @@ from typing import Any
 
 import peftckpt
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError
+from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
 from peftckpt.checkpoint.storage.paths import read_regular_file, relpath_problem
-from peftckpt.checkpoint.storage.storage_layout import MANIFEST_FILENAME
 
 __all__ = [
     "CHECKSUM_ALGORITHM",

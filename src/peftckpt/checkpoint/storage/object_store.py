@@ -1,9 +1,8 @@
 """Checkpoint locations on object storage: ``s3://bucket/prefix`` (and what else fsspec reaches).
 
-A location is parsed once (:func:`parse_location`): a local path stays a path, ``file:///abs/path`` becomes
-one, and a URL of a supported scheme becomes an :class:`ObjectStore` -- a thin, typed wrapper over the
-fsspec file system of that scheme with the few operations the commit protocol needs (read, write, upload,
-download while hashing, list, delete, copy). Credentials and endpoints come from the store's own standard
+An :class:`ObjectStore` is a thin, typed wrapper over the fsspec file system of one URL's scheme with the few
+operations the commit protocol needs (read, write, upload, download while hashing, list, delete, copy); URLs are
+parsed and refused by :mod:`peftckpt.checkpoint.location.urls`. Credentials and endpoints come from the store's own standard
 configuration (for S3: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws/config``,
 ``AWS_ENDPOINT_URL``), never from flags, so they never reach a manifest or a log.
 
@@ -14,58 +13,15 @@ the URL (:func:`store_error`).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from peftckpt.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["ObjectStore", "Location", "parse_location", "is_url", "url_problem", "store_error", "SCHEME_PACKAGES"]
-
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-SCHEME_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-"""The package that gives fsspec each object-store scheme peftckpt admits (``pip install peftckpt[s3]`` for S3)."""
+__all__ = ["ObjectStore", "store_error"]
 
 _COPY_BLOCK = 8 * 1024 * 1024
-
-
-def is_url(value: object) -> bool:
-    """Whether ``value`` is a URL (``scheme://...``) rather than a file system path."""
-    return isinstance(value, str) and _URL.match(value) is not None
-
-
-def url_problem(value: object) -> str | None:
-    """Why the URL ``value`` cannot be a checkpoint location, or ``None`` (also for a plain path)."""
-    if not isinstance(value, str):
-        return None
-    match = _URL.match(value)
-    if match is None:
-        return None
-    scheme = match.group(1).lower()
-    if scheme == "file":
-        parts = urlsplit(value)
-        if parts.netloc not in ("", "localhost"):
-            return "is a file:// URL with a host; use file:///absolute/path"
-        return None
-    if scheme not in SCHEME_PACKAGES:
-        return (f"has scheme {scheme}://, which peftckpt does not store checkpoints on (supported: "
-                f"{', '.join(s + '://' for s in ('s3', 'gs', 'az', 'file'))}, or a local path)")
-    package = SCHEME_PACKAGES[scheme]
-    if importlib.util.find_spec(package) is None:
-        extra = " (pip install 'peftckpt[s3]')" if package == "s3fs" else ""
-        return f"needs the {package} package for {scheme}://, which is not installed{extra}"
-    rest = value[match.end():]
-    bucket = rest.split("/", 1)[0]
-    if not bucket:
-        return f"names no bucket (expected {scheme}://BUCKET/PREFIX)"
-    if "\\" in rest or any(part in (".", "..") for part in rest.split("/")):
-        return "has a '.' or '..' component or a backslash"
-    return None
 
 
 class ObjectStore:
@@ -79,7 +35,7 @@ class ObjectStore:
         import fsspec
 
         self.url = url.rstrip("/")
-        scheme = _URL.match(self.url).group(1).lower()  # type: ignore[union-attr]
+        scheme = self.url.split("://", 1)[0].lower()
         self.scheme = scheme
         self.fs: Any = fsspec.filesystem(scheme, skip_instance_cache=True)
         self.root = self.url[len(scheme) + 3:]
@@ -203,25 +159,6 @@ class ObjectStore:
         if keys:
             self.fs.rm(keys)
         self.fs.invalidate_cache(self.root)
-
-
-Location = Path | ObjectStore
-"""Where a checkpoint or save directory lives: a local path or a place on an object store."""
-
-
-def parse_location(value: str | os.PathLike[str], what: str) -> Location:
-    """``value`` as a :data:`Location`; ``what`` (e.g. ``"--save"``) names it in the one error a bad URL gets.
-
-    ``file:///abs/path`` is the local path ``/abs/path`` (with the local commit protocol: rename and fsync)."""
-    text = os.fspath(value)
-    problem = url_problem(text)
-    if problem is not None:
-        raise CheckpointError(f"{what} {text} {problem}")
-    if not is_url(text):
-        return Path(text)
-    if text.lower().startswith("file://"):
-        return Path(unquote(urlsplit(text).path))
-    return ObjectStore(text)
 
 
 def store_error(exc: BaseException, url: str, what: str) -> CheckpointError:

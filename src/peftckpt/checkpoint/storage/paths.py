@@ -10,22 +10,10 @@ the opened descriptor, so what is checked is what is read.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from pathlib import Path
 
-__all__ = ["url_problem", "relpath_problem", "file_problem", "recorded_file_problem", "read_regular_file"]
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def url_problem(value: str | os.PathLike[str]) -> str | None:
-    """Why ``value``, a path that must be local (an export's output directory, say), cannot be used, or
-    ``None``: a URL such as ``s3://bucket/prefix`` would otherwise become a local directory named ``s3:``. (Where
-    a URL is supported, :func:`~peftckpt.checkpoint.storage.object_store.parse_location` dispatches first.)"""
-    if not isinstance(value, str) or not _URL.match(value):
-        return None
-    return "is a URL, but this path must be a local (or mounted) file system path"
+__all__ = ["relpath_problem", "file_problem", "recorded_file_problem", "read_regular_file"]
 
 
 def relpath_problem(rel: object) -> str | None:

@@ -26,15 +26,14 @@ from ..errors import (
     as_read_error,
     unwrap_dcp_error,
 )
-from ..remote import fetch_copy, renamed_error
+from ..location.locate import locate
+from ..location.store import renamed_error
 from ..state.fingerprint import FINGERPRINT_VERSION, base_fingerprint
 from ..state.sections import MODEL
 from ..storage.checksums import verify_files
 from ..storage.dcp_reader import RangedFileSystemReader
 from ..storage.formats import storage_format
 from ..storage.manifest import Manifest, read_manifest
-from ..storage.object_store import ObjectStore, parse_location
-from ..storage.storage_layout import resolve_checkpoint_dir
 
 __all__ = ["OfflineCheckpoint", "TensorSource", "open_checkpoint", "lazy_entries", "lazy_fingerprint"]
 
@@ -126,18 +125,17 @@ def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
     """Resolve ``path`` (a save directory via its tracker, or a checkpoint directory), read the manifest and
     verify every file's checksum. ``what`` names the argument in error messages. A URL's checkpoint is fetched
     into a local copy first (every object verified as it downloads; deleted at exit)."""
-    location = parse_location(path, what)
-    if isinstance(location, ObjectStore):
-        copy = fetch_copy(location)
-        if copy.problems:
-            raise CheckpointIntegrityError(f"{what} {copy.url} is damaged:\n  " + "\n  ".join(copy.problems))
+    copy = locate(path, what).committed_copy()
+    if copy.problems:
+        raise CheckpointIntegrityError(f"{what} {copy.url} is damaged:\n  " + "\n  ".join(copy.problems))
+    if copy.verified:  # a copy fetched from a store, every object hashed as it arrived: not hashed again
         try:
             opened = open_checkpoint(copy.local, verify_checksums=False, what=what)
         except CheckpointError as e:
             raise renamed_error(e, copy.local, copy.url) from None
         opened.source = copy.url
         return opened
-    ckpt, iteration = resolve_checkpoint_dir(path)
+    ckpt, iteration = copy.local, copy.iteration
     manifest = read_manifest(ckpt)
     fmt = storage_format(manifest.format, f"{what} {ckpt}")
     if not fmt.reshards:  # a legacy file holds one rank's local shards

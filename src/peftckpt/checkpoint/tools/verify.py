@@ -19,12 +19,11 @@ from pathlib import Path
 
 from peftckpt.checkpoint.checks.integrity import DCP_METADATA_FILENAME
 from peftckpt.checkpoint.errors import UnsafeCheckpointError
-from peftckpt.checkpoint.remote import fetch_copy
+from peftckpt.checkpoint.location.base import Location
+from peftckpt.checkpoint.location.locate import locate
 from peftckpt.checkpoint.storage.checksums import verify_files
 from peftckpt.checkpoint.storage.formats import storage_format
 from peftckpt.checkpoint.storage.manifest import read_manifest
-from peftckpt.checkpoint.storage.object_store import ObjectStore, parse_location
-from peftckpt.checkpoint.storage.storage_layout import resolve_checkpoint_dir
 
 __all__ = ["DCP_METADATA_FILENAME", "VerifyReport", "verify_checkpoint"]
 
@@ -60,7 +59,7 @@ class VerifyReport:
         }
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
+def verify_checkpoint(path: str | os.PathLike[str] | Location) -> VerifyReport:
     """Check a checkpoint offline; see the module docstring for the steps.
 
     Raises:
@@ -68,38 +67,20 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
             manifest is unreadable (then nothing else can be checked). Damage to the checkpoint's other
             files is reported in :attr:`VerifyReport.problems`, not raised.
     """
-    location = parse_location(path, "DIR")
-    if isinstance(location, ObjectStore):
-        return _verify_remote(location)
-    ckpt_dir, iteration = resolve_checkpoint_dir(path)  # 1
-    manifest = read_manifest(ckpt_dir)  # 2
-    report = VerifyReport(
-        path=ckpt_dir, iteration=iteration, num_files=len(manifest.files), total_bytes=manifest.total_bytes
-    )
-    if manifest.iteration != iteration:
-        report.problems.append(
-            f"{ckpt_dir}: manifest says iteration {manifest.iteration} but the directory is iteration {iteration}"
-        )
-    report.problems.extend(verify_files(ckpt_dir, manifest))  # 3
+    copy = locate(path, "DIR").committed_copy()  # 1 (on a store: fetched, every object hashed as it arrives)
+    manifest = copy.manifest if copy.manifest is not None else read_manifest(copy.local)  # 2
+    report = VerifyReport(path=copy.url if copy.verified else copy.local, iteration=copy.iteration,
+                          num_files=len(manifest.files), total_bytes=manifest.total_bytes)
+    found = []
+    if manifest.iteration != copy.iteration:
+        found.append(f"{copy.local}: manifest says iteration {manifest.iteration} but the directory is iteration "
+                     f"{copy.iteration}")
+    if not copy.verified:
+        found.extend(verify_files(copy.local, manifest))  # 3
     try:  # 4
-        report.problems.extend(storage_format(manifest.format, f"checkpoint {ckpt_dir}").structure_problems(
-            ckpt_dir, manifest))
+        found.extend(storage_format(manifest.format, f"checkpoint {copy.url}").structure_problems(copy.local,
+                                                                                                  manifest))
     except UnsafeCheckpointError as exc:
-        report.problems.append(str(exc))
-    report.problems = list(dict.fromkeys(report.problems))  # a missing file is found by steps 3 and 4
-    return report
-
-
-def _verify_remote(store: ObjectStore) -> VerifyReport:
-    """:func:`verify_checkpoint` of a checkpoint on an object store: every object streamed and hashed against the
-    manifest (each bad one named by its URL), then the structure checks on the downloaded copy."""
-    copy = fetch_copy(store)
-    manifest = copy.manifest
-    report = VerifyReport(path=copy.url, iteration=copy.iteration, num_files=len(manifest.files),
-                          total_bytes=manifest.total_bytes)
-    try:
-        structure = storage_format(manifest.format, f"checkpoint {copy.url}").structure_problems(copy.local, manifest)
-    except UnsafeCheckpointError as exc:
-        structure = [str(exc)]
-    report.problems = list(dict.fromkeys(copy.with_local_problems(structure)))
+        found.append(str(exc))
+    report.problems = list(dict.fromkeys(copy.with_local_problems(found)))  # a missing file is found by 3 and 4
     return report

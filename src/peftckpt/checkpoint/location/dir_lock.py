@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peftckpt.checkpoint.errors import CheckpointError
-from peftckpt.checkpoint.storage.storage_layout import LOCK_FILENAME
+from peftckpt.checkpoint.location.names import LOCK_FILENAME
 
 __all__ = ["LOCK_FILENAME", "SaveDirInUseError", "SaveDirLock", "acquire_save_lock"]
 

@@ -1,54 +1,20 @@
-"""Async saves: what training may touch while the background write runs, and the handle of a save in flight.
+"""Async saves: the host snapshot of what training may touch while the background write runs.
 
-Training is blocked only for :func:`host_copy`; DCP plans and writes in a thread of its own, and the
-checkpoint is committed (:mod:`~peftckpt.checkpoint.commit`) once every rank finished writing.
+Training is blocked only for :func:`host_copy` (or, with a deferred snapshot, for :func:`copy_objects`); DCP
+plans and writes in a thread of its own, and the checkpoint is committed once every rank finished writing.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..sharding.entries import GlobalTensor
 from .errors import CheckpointError
 from .state.sections import MODEL
 
-if TYPE_CHECKING:  # the commit's formats write async saves with host_copy: a type, not an import, here
-    from .commit import PendingCommit
-
-__all__ = ["PendingSave", "host_copy", "copy_objects", "unchanged_since"]
-
-
-class PendingSave:
-    """An async save (:meth:`~peftckpt.checkpoint.api.Checkpointer.async_save`): training goes on while it is
-    written.
-
-    :meth:`result` waits for it, commits it (collective, like every checkpointer call: every rank calls it)
-    and returns the committed directory, or raises why it failed. The next save or load and the
-    checkpointer's ``wait``, ``poll`` and ``close`` commit it too; :meth:`result` then answers at once.
-    """
-
-    def __init__(self, commit: PendingCommit, finish: Callable[[PendingCommit], None]):
-        self._commit = commit
-        self._finish = finish
-        """Waits for and commits ``commit`` if it is still the checkpointer's save in flight."""
-        self.path = commit.save / f"iter_{commit.iteration:07d}"
-        """Where it is committed (it does not exist before)."""
-
-    def done(self) -> bool:
-        """Committed or failed (this rank's view; no collective)."""
-        return self._commit.committed or self._commit.error is not None
-
-    def result(self) -> Path:
-        if not self.done():
-            self._finish(self._commit)
-        if self._commit.error is not None:
-            raise self._commit.error
-        if not self._commit.committed:
-            raise CheckpointError(f"the async save of iteration {self._commit.iteration} was never committed")
-        return self.path
+__all__ = ["host_copy", "copy_objects", "unchanged_since"]
 
 
 def host_copy(flat: Mapping[str, Any], previous: Mapping[str, GlobalTensor]

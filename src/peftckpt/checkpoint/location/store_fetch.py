@@ -12,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from peftckpt.checkpoint.errors import CheckpointError, CheckpointFormatError
+from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
 from peftckpt.checkpoint.storage.checksums import new_digest
 from peftckpt.checkpoint.storage.manifest import MANIFEST_MAX_BYTES, Manifest
 from peftckpt.checkpoint.storage.object_store import ObjectStore, store_error
-from peftckpt.checkpoint.storage.storage_layout import MANIFEST_FILENAME
 
-__all__ = ["read_remote_manifest", "fetch_files"]
+__all__ = ["read_remote_manifest", "listed_problems", "fetch_files"]
 
 _TRANSFER_THREADS = 8
 
@@ -63,6 +63,23 @@ def _fetch_one(store: ObjectStore, rel: str, name: str, expected: dict, algorith
     return None
 
 
+def listed_problems(store: ObjectStore, rel: str, manifest: Manifest, stored: dict[str, int]) -> dict[str, str]:
+    """``{name: problem}`` of the checkpoint ``rel`` from a listing of its objects (``stored``: name -> size): a
+    recorded object missing or of another size, an object the manifest does not list."""
+    problems: dict[str, str] = {}
+    for name, rec in sorted(manifest.files.items()):
+        size = stored.get(name)
+        if size is None:
+            problems[name] = f"{store.url_of(f'{rel}/{name}' if rel else name)}: missing (expected {rec['size']} bytes)"
+        elif size != int(rec["size"]):
+            kind = "truncated" if size < int(rec["size"]) else "extended"
+            problems[name] = (f"{store.url_of(f'{rel}/{name}' if rel else name)}: size mismatch ({kind}): expected "
+                              f"{rec['size']} bytes, got {size}")
+    for name in sorted(set(stored) - set(manifest.files) - {MANIFEST_FILENAME}):
+        problems[name] = f"{store.url_of(f'{rel}/{name}' if rel else name)}: unexpected object, not listed in the manifest"
+    return problems
+
+
 def fetch_files(store: ObjectStore, rel: str, manifest: Manifest, into: Path | None) -> list[str]:
     """Stream every object the manifest records for checkpoint ``rel`` -- into the directory ``into``, or only
     through the hash when ``into`` is ``None`` -- and return one problem per bad object (empty: intact).
@@ -76,20 +93,8 @@ def fetch_files(store: ObjectStore, rel: str, manifest: Manifest, into: Path | N
         return [f"{store.url_of(rel)}: {e}"]
     except Exception as e:  # noqa: BLE001
         raise store_error(e, store.url_of(rel), "the checkpoint") from None
-    problems: dict[str, str] = {}
-    to_fetch = []
-    for name, rec in sorted(manifest.files.items()):
-        size = stored.get(name)
-        if size is None:
-            problems[name] = f"{store.url_of(f'{rel}/{name}' if rel else name)}: missing (expected {rec['size']} bytes)"
-        elif size != int(rec["size"]):
-            kind = "truncated" if size < int(rec["size"]) else "extended"
-            problems[name] = (f"{store.url_of(f'{rel}/{name}' if rel else name)}: size mismatch ({kind}): expected "
-                              f"{rec['size']} bytes, got {size}")
-        else:
-            to_fetch.append(name)
-    for name in sorted(set(stored) - set(manifest.files) - {MANIFEST_FILENAME}):
-        problems[name] = f"{store.url_of(f'{rel}/{name}' if rel else name)}: unexpected object, not listed in the manifest"
+    problems = listed_problems(store, rel, manifest, stored)
+    to_fetch = [name for name in sorted(manifest.files) if name not in problems]
     if into is not None:
         into.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=max(1, min(_TRANSFER_THREADS, len(to_fetch)))) as pool:

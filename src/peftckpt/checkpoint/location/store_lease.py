@@ -1,6 +1,6 @@
 """One run at a time per save location on an object store: a lease object taken with a conditional write.
 
-The local run lock (:mod:`~peftckpt.checkpoint.storage.save_lock`) is a ``flock``, which a store has no equivalent
+The local run lock (:mod:`~peftckpt.checkpoint.location.dir_lock`) is a ``flock``, which a store has no equivalent
 of, and which only ever covered one machine. Here the lock is the object ``<url>/.peftckpt.lock``:
 
 * It is created with ``If-None-Match: *`` (S3 conditional writes): of two runs, exactly one creates it. It holds
@@ -29,11 +29,11 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+from peftckpt.checkpoint.location.dir_lock import SaveDirInUseError, SaveDirLock
+from peftckpt.checkpoint.location.names import LOCK_FILENAME
 from peftckpt.checkpoint.storage.object_store import ObjectStore, store_error
-from peftckpt.checkpoint.storage.save_lock import SaveDirInUseError, SaveDirLock
-from peftckpt.checkpoint.storage.storage_layout import LOCK_FILENAME
 
-__all__ = ["LEASE_ENV", "RemoteLock", "acquire_remote_lock"]
+__all__ = ["LEASE_ENV", "RemoteLock", "acquire_remote_lock", "check_lease"]
 
 LEASE_ENV = "PEFTCKPT_STORE_LEASE_S"
 _POLL_S = 0.5
@@ -91,6 +91,14 @@ def _seen(store: ObjectStore) -> tuple[str, str] | None:
     return etag, str(holder)
 
 
+def check_lease(url: str) -> None:
+    """Raise :class:`SaveDirInUseError` if this process held the lease of ``url`` and another run took it over
+    (a commit checks it before writing its manifest); nothing when no lease is held here."""
+    lease = _HELD.get(url)
+    if lease is not None and lease.lost is not None:
+        raise SaveDirInUseError(lease.lost)
+
+
 class RemoteLock:
     """A reference to this process's lease on one store location; :meth:`release` (or ``with``) drops it."""
 
@@ -101,9 +109,7 @@ class RemoteLock:
 
     def check(self) -> None:
         """Raise :class:`SaveDirInUseError` if another run took the lease since (before a commit)."""
-        lease = _HELD.get(self._url or "")
-        if lease is not None and lease.lost is not None:
-            raise SaveDirInUseError(lease.lost)
+        check_lease(self._url or "")
 
     def release(self) -> None:
         """Drop this reference; the last one stops the renewals and deletes the lock object (idempotent)."""

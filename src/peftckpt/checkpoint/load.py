@@ -1,0 +1,354 @@
+"""Loads: a committed checkpoint read back into the rank parts (model chunks, optimizer, states, RNG).
+
+:class:`Loads` runs :meth:`Loads.load` and :meth:`Loads.load_pretrained` as their numbered steps: the location
+gives a local directory to read (:meth:`~peftckpt.checkpoint.location.base.Location.reading`), the checkpoint is
+resolved and verified, checked against this model, and read in its format; the objects it holds besides tensors
+are put back by :mod:`~peftckpt.checkpoint.load_objects`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..sharding.entries import GlobalTensor
+from .checks.load_checks import (
+    adapter_mismatch,
+    architecture_mismatch,
+    base_mismatch,
+    damaged,
+    shape_mismatch,
+)
+from .checks.strictness import KeyReport, check_keys
+from .errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    UnsafeCheckpointError,
+    as_read_error,
+    unwrap_dcp_error,
+)
+from .load_objects import apply_objects, objects_to_read
+from .location.directory import resolve_checkpoint_dir
+from .location.locate import locate
+from .options import LoadOptions, LoadResult
+from .rank_parts import RankParts
+from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting, fingerprint_version
+from .state.sections import MODEL, OPTIMIZER
+from .storage.checksums import files_share, is_data_file, verify_checksums, verify_files
+from .storage.dcp_reader import has_block_index
+from .storage.formats import StorageFormat, StoredCheckpoint, storage_format
+from .storage.manifest import Manifest, read_manifest
+
+__all__ = ["Loads"]
+
+
+@dataclass
+class _Verify:
+    """The checksums of this rank's share of a checkpoint's data files, hashed while a load reads them."""
+
+    ckpt: Path
+    future: Future[list[str]] | None = None
+
+
+class Loads:
+    """The loads of one checkpointer (see the module docstring)."""
+
+    def __init__(self, parts: RankParts):
+        self.parts = parts
+        self.comm = parts.comm
+        self.base_fingerprint_wait_s: float | None = None
+        """How long the last base load waited for its fingerprint after reading its last piece."""
+
+    def _resolve(self, path: str | os.PathLike[str], options: LoadOptions) -> tuple[Path, int, Manifest, _Verify]:
+        """Directory, iteration and manifest of a committed checkpoint, its files verified (collective):
+        presence, sizes and the small files now; with ``verify_while_reading`` the checksums of the data
+        files in a background thread, finished by :meth:`_read`."""
+        ckpt, iteration = resolve_checkpoint_dir(path)
+        manifest = read_manifest(ckpt)
+        pending = _Verify(ckpt)
+        shard = (self.parts.rank, self.parts.world)
+        fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
+        later = options.verify_while_reading and fmt.hashes_while_reading
+        # Presence, type and size of every file always (cheap); the hashing as the options say.
+        hash_if = (lambda rel: not is_data_file(rel)) if later else None
+        problems = verify_files(ckpt, manifest, shard, hash_if=hash_if if options.verify_checksums else lambda _: False)
+        error: UnsafeCheckpointError | None = None
+        if self.parts.rank == 0:
+            # Always, checksums or not: no storage item may lead outside the checkpoint or past a file's end.
+            try:
+                problems += fmt.structure_problems(ckpt, manifest)
+            except UnsafeCheckpointError as e:
+                error = e
+        self.comm.agree(error)
+        self._raise_if_damaged(pending, problems)
+        if options.verify_checksums and later:
+            # A data file with a block index is verified by the read itself, block by block, as it is read.
+            rels = [rel for rel in files_share(manifest, shard)
+                    if is_data_file(rel) and not has_block_index(ckpt / rel)]
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-verify")
+            pending.future = executor.submit(verify_checksums, ckpt, manifest, rels)
+            executor.shutdown(wait=False)
+        return ckpt, iteration, manifest, pending
+
+    def _raise_if_damaged(self, v: _Verify, problems: list[str], after_read: bool = False) -> None:
+        """Raise :class:`CheckpointIntegrityError` on every rank if any rank found a damaged file."""
+        error = damaged(v.ckpt, list(dict.fromkeys(p for ps in self.comm.gather(problems) for p in ps)), after_read)
+        if error is not None:
+            error.every_rank = True  # every rank raises this same error: said once
+            raise error
+
+    def load(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
+             model_only: bool = False) -> LoadResult:
+        """Load a committed checkpoint into the chunks (and optimizer); returns iteration, objects, report.
+
+        Steps:
+            1. Resolve the directory (tracker), read the manifest, verify the files (split over ranks; the
+               data files' checksums in a thread, while step 4 reads them).
+            2. Check that the checkpoint fits this model: architecture, adapter configuration and, for a
+               trainable-only checkpoint, the base fingerprint.
+            3. Build the request -- filtered like the save for a trainable-only checkpoint.
+            4. Open it in its format (DCP reshards; a legacy file loads only at the layout it was saved at),
+               check the stored shapes and the strictness mode against the request, read it, finish the
+               checksums; apply extra state, optimizer groups, the checkpointer's states (in place) and the
+               RNG state.
+        """
+        options = options or LoadOptions()
+        with self._located(path, options) as (local, options, url):
+            result = self._load(local, options, model_only)
+        return result if url is None else replace(result, path=url)
+
+    @contextlib.contextmanager
+    def _located(self, path: str | os.PathLike[str], options: LoadOptions
+                 ) -> Iterator[tuple[str | os.PathLike[str], LoadOptions, str | None]]:
+        """``path`` to load from, with the options to load it with, and its URL where the location reads a copy
+        (collective): a checkpoint on a store is fetched to a node-local copy, every object verified as it
+        downloads, so the copy's checksums are not taken again (see :meth:`Location.reading`)."""
+        try:
+            location = locate(path, "checkpoint")
+        except CheckpointError as e:
+            e.every_rank = True
+            raise
+        with location.reading(self.comm) as (local, url):
+            yield (path, options, None) if url is None else (local, replace(options, verify_checksums=False), url)
+
+    def _load(self, path: str | os.PathLike[str], options: LoadOptions, model_only: bool) -> LoadResult:
+        """:meth:`load` of a local checkpoint."""
+        # 1.
+        ckpt, iteration, manifest, verification = self._resolve(path, options)
+        fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
+        if self.parts.states and not model_only and not fmt.holds_states:
+            raise CheckpointFormatError(f"checkpoint {ckpt} is in the {fmt.name!r} format, which holds no "
+                                        f"states ({', '.join(self.parts.states)})")
+        # 2.
+        self._check_fits(ckpt, manifest, options, model_only)
+        # 3.
+        request, with_optim = self._load_request(ckpt, manifest, options, model_only)
+        same_layout = {k: manifest.layout.get(k) for k in ("tp", "pp", "dp", "vpp")} == {
+            k: self.parts.layout.get(k) for k in ("tp", "pp", "dp", "vpp")}
+        object_keys = [] if model_only else list(options.objects)
+        if not manifest.trainable_only:
+            self.parts.fingerprints.clear()  # a full checkpoint replaces the base too
+        # 4.
+        stored = self._open(fmt, ckpt, manifest, options)
+        self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
+        report = self._check_keys(ckpt, manifest, stored, request, options, with_optim)
+        wanted = objects_to_read(self.parts, manifest, stored.object_keys, object_keys, options, model_only,
+                                 with_optim, same_layout, ckpt)
+        request.update(dict.fromkeys(wanted.keys))
+        self._read(request, stored, verification)
+        objects = {k: request[k] for k in wanted.keys}
+        apply_objects(self.parts, ckpt, objects, wanted, options, with_optim)
+        if options.load_rng and not model_only and not same_layout and self.parts.rank == 0:
+            warnings.warn(f"checkpoint layout {manifest.layout} differs from this run's {self.parts.layout}: "
+                          "RNG state is re-seeded instead of restored", stacklevel=2)
+        return LoadResult(ckpt, iteration, manifest, objects, report, rng_restored=wanted.rng is not None)
+
+    def _check_fits(self, ckpt: Path, manifest: Manifest, options: LoadOptions, model_only: bool) -> None:
+        """Load step 2 (collective): refuse a checkpoint made for another architecture, adapter or base."""
+        self.comm.agree(architecture_mismatch(self.parts.model_config, manifest, ckpt))
+        self.comm.agree(adapter_mismatch(self.parts.adapter_config, manifest, ckpt))
+        if manifest.trainable_only and options.verify_base and not model_only:
+            # Fingerprint what the checkpoint calls its base (its excluded keys), not what is frozen now: a
+            # parameter unfrozen since is reported as an unexpected key, with its own hint.
+            mine = self.parts.fingerprint(sorted(manifest.excluded_keys),
+                                    fingerprint_version(manifest.base_fingerprint or ""))
+            self.comm.agree(base_mismatch(manifest, mine, ckpt))
+
+    def _load_request(self, ckpt: Path, manifest: Manifest, options: LoadOptions, model_only: bool
+                      ) -> tuple[dict[str, Any], bool]:
+        """Load step 3: this rank's ``{storage key: entry}`` to read, and whether it includes the optimizer."""
+        with_optim = options.load_optim and not model_only
+        if with_optim and self.parts.optimizer is not None and OPTIMIZER not in manifest.sections:
+            # Recorded, not guessed: the manifest says the save left the optimizer out (--no-save-optim,
+            # import-peft). Its keys are not "missing"; the optimizer starts fresh, and we say so.
+            with_optim = False
+            if self.parts.rank == 0:
+                warnings.warn(f"checkpoint {ckpt} was saved without optimizer state (--no-save-optim or an "
+                              "import): the optimizer starts fresh", stacklevel=3)
+        request = self.parts.build(manifest.trainable_only, with_optim).tensors()
+        if manifest.trainable_only:  # buffers, which trainable-only saves of earlier releases left out
+            for k in set(manifest.excluded_keys) & set(request):
+                if not request[k].requires_grad:
+                    request.pop(k)
+        return request, with_optim
+
+    def _open(self, fmt: StorageFormat, ckpt: Path, manifest: Manifest, options: LoadOptions) -> StoredCheckpoint:
+        """Open the checkpoint in its format for this rank (collective: a refusal is every rank's); what it reads
+        is verified as it is read unless :meth:`_resolve` hashed every file first (or nothing is verified)."""
+        stored: StoredCheckpoint | None = None
+        error: BaseException | None = None
+        try:
+            verify = options.verify_checksums and options.verify_while_reading
+            stored = fmt.open(ckpt, manifest, self.parts.layout, self.parts.coords, self.comm.group, verify)
+        except BaseException as e:  # noqa: BLE001 - refused, or a file unreadable since it was verified
+            error = as_read_error(e, ckpt)
+        self.comm.agree(error)
+        assert stored is not None
+        return stored
+
+    def _check_keys(self, ckpt: Path, manifest: Manifest, stored: StoredCheckpoint, request: dict[str, Any],
+                    options: LoadOptions, with_optim: bool) -> KeyReport:
+        """The strictness mode against the stored keys (collective); unexpected keys leave the request."""
+        saved = set(stored.tensor_shapes)
+        hints = {k: ("trainable now but frozen when the checkpoint was saved, so it is not in it: its value must "
+                     "come from --pretrained-checkpoint; --dist-ckpt-strictness log_unexpected keeps that value")
+                 for k in manifest.excluded_keys}
+        all_requested = None
+        if options.strictness.needs_missing:
+            all_requested = set(request) if stored.per_rank else {
+                k for keys in self.comm.gather(sorted(request)) for k in keys}
+            saved = {k for k in saved if k.startswith((MODEL + ".", OPTIMIZER + ".")) and
+                     (with_optim or not k.startswith(OPTIMIZER + "."))}
+        error: BaseException | None = None
+        report = KeyReport()
+        try:
+            report = check_keys(options.strictness, request, saved, self.parts.rank, all_requested, hints,
+                                source=f"checkpoint {ckpt}")
+        except CheckpointError as e:
+            error = e
+        self.comm.agree(error)
+        for k in report.unexpected:
+            request.pop(k, None)
+        return report
+
+    def _read(self, request: dict[str, Any], stored: StoredCheckpoint, verification: _Verify,
+              fingerprinting: Fingerprinting | None = None) -> None:
+        """Read the request in place, then finish the checksums started by :meth:`_resolve`; a
+        failure on any rank is raised on every rank (a damaged file first: it explains a failed read).
+        ``fingerprinting`` is handed each piece as soon as it is read."""
+        error: BaseException | None = None
+        problems: list[str] = []
+        try:
+            problems = stored.read(request, None if fingerprinting is None else fingerprinting.add)
+        except BaseException as e:  # noqa: BLE001 - reported collectively
+            error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
+        if verification.future is not None:
+            try:
+                problems += verification.future.result()
+            except OSError as e:  # a file gone or unreadable since it was checked: still a collective report
+                problems.append(f"{getattr(e, 'filename', None) or verification.ckpt}: cannot be read to verify: {e}")
+        self._raise_if_damaged(verification, problems, after_read=True)
+        self.comm.agree(error)
+
+    def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
+                          read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor]) -> list[str]:
+        """Load the model sections from a source in another format, piece by piece (collective).
+
+        ``shapes`` maps the storage keys the source holds (``model.<name>``) to their global shapes; ``read(key,
+        offsets, sizes)`` returns that region of one. Each rank reads only its own pieces, straight into the
+        model. As with :meth:`load_pretrained`, a frozen tensor the source lacks (or holds with another
+        shape) is an error naming ``source``; trainable ones it lacks (adapters) keep their values. Returns
+        the keys that were not in the source."""
+        request = self.parts.build(False, False).tensors()
+        absent = sorted(k for k in request if k not in shapes)
+        wrong = [f"  {k}: {source} {list(shapes[k])}, model {list(v.global_shape)}" for k, v in sorted(request.items())
+                 if k in shapes and list(shapes[k]) != list(v.global_shape)]
+        frozen_absent = [k for k in absent if not request[k].requires_grad]
+        error: BaseException | None = None
+        if frozen_absent or wrong:
+            error = CheckpointMismatchError(
+                (f"{source} lacks {len(frozen_absent)} frozen base tensor(s): "
+                 + ", ".join(frozen_absent[:10]) + ("" if len(frozen_absent) <= 10 else ", ...") + "\n"
+                 if frozen_absent else "")
+                + (f"{source} holds tensors of other shapes than this model's:\n" + "\n".join(wrong[:10])
+                   if wrong else ""))
+        self.comm.agree(error)
+        with self._fingerprinting_base(request) as fingerprinting:
+            try:
+                with torch.no_grad():
+                    for key, entry in request.items():
+                        if key in shapes:
+                            for piece in entry.pieces:
+                                piece.tensor.copy_(read(key, piece.offsets, piece.tensor.shape))
+                                fingerprinting.add(key, piece.offsets, piece.tensor)
+            except CheckpointError as e:
+                error = e
+            except (OSError, ValueError) as e:  # an unreadable or damaged source file: the source names it
+                error = CheckpointIntegrityError(f"{source} cannot be read: {e}")
+            self.comm.agree(error)
+        return absent
+
+    @contextlib.contextmanager
+    def _fingerprinting_base(self, request: Mapping[str, Any]) -> Iterator[Fingerprinting]:
+        """The fingerprint of the base a load is writing into the model, fed piece by piece as the load reads
+        them (hashing overlaps the reading), and cached once the load succeeded (collective)."""
+        self.parts.fingerprints.clear()  # the base changes
+        fingerprinting = Fingerprinting({k: v for k, v in request.items() if isinstance(v, GlobalTensor)
+                                         and v.frozen}, self.comm.distributed, group=self.comm.group)
+        try:
+            yield fingerprinting
+        except BaseException:
+            fingerprinting.close()
+            raise
+        self.parts.fingerprints[FINGERPRINT_VERSION] = fingerprinting.result()
+        self.base_fingerprint_wait_s = fingerprinting.wait_s
+
+    def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
+        """Load the base weights (model sections only) from a full checkpoint.
+
+        Trainable parameters the base does not have (the adapters) keep their initial values; a *frozen*
+        parameter the base does not have is an error -- it would silently stay random.
+        """
+        options = options or LoadOptions()
+        with self._located(path, options) as (local, options, url):
+            result = self._load_pretrained(local, options)
+        return result if url is None else replace(result, path=url)
+
+    def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions) -> LoadResult:
+        """:meth:`load_pretrained` of a local checkpoint."""
+        ckpt, _, manifest, verification = self._resolve(path, options)
+        if manifest.trainable_only:
+            raise CheckpointFormatError(
+                f"--pretrained-checkpoint {ckpt} is an adapter-only checkpoint (saved with "
+                "--save-trainable-params-only); it holds no base weights. Pass it as --load instead")
+        self.comm.agree(architecture_mismatch(self.parts.model_config, manifest, ckpt))
+        fmt = storage_format(manifest.format, f"--pretrained-checkpoint {ckpt}")
+        if not fmt.reshards:
+            raise CheckpointFormatError(f"--pretrained-checkpoint {ckpt} must be torch_dist, got {manifest.format!r}")
+        stored = self._open(fmt, ckpt, manifest, options)
+        request = self.parts.build(False, False).tensors()
+        self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
+        absent = [k for k in request if k not in stored.tensor_shapes]
+        frozen_absent = [k for k in absent if not request[k].requires_grad]
+        error: BaseException | None = None
+        if frozen_absent:
+            error = CheckpointMismatchError(
+                f"--pretrained-checkpoint {ckpt} lacks {len(frozen_absent)} frozen base tensor(s): "
+                + ", ".join(sorted(frozen_absent)[:10]) + ("" if len(frozen_absent) <= 10 else ", ...")
+            )
+        self.comm.agree(error)
+        for k in absent:
+            request.pop(k)
+        with self._fingerprinting_base(request) as fingerprinting:
+            self._read(request, stored, verification, fingerprinting)
+        return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))

@@ -1,0 +1,318 @@
+"""A save location on an object store: a prefix (``s3://bucket/run``), committed into by writing the manifest last.
+
+What it relies on from the store: strong read-after-write consistency for PUT, GET, LIST and DELETE (S3 has it
+since 2020; so do GCS and Azure Blob), and that a PUT of one object is atomic. No conditional writes (except for
+the run's lease, :mod:`~.store_lease`), no rename.
+
+Why a crash never loses the last good checkpoint here (the rules are :mod:`~.protocol`'s):
+
+* A fresh iteration is uploaded under ``iter_N/`` itself, where no reader looks until its manifest is there; the
+  manifest is written last, by one PUT, only after every rank's uploads were listed back with the sizes
+  recorded: its appearance is the commit.
+* A re-save of a committed iteration uploads the new copy, manifest included, under ``.staging.iter_N.<token>``
+  first. Only then is the old copy uncommitted (its manifest deleted first) and the new objects copied into
+  ``iter_N/`` server-side, manifest last. Until that copy is complete one complete copy with its manifest
+  always exists: the old one, or the staged new one, which a resolve falls back to (with a warning) and the next
+  save's clean finishes promoting.
+* Retention deletes a checkpoint's manifest first, so a half-deleted checkpoint is never taken for a committed one.
+
+The ranks write their files into a node-local *spool* (``<cache>/spool/<scheme>/<bucket>/<prefix>/``) and upload
+them from there; a load has one rank per host download the checkpoint into ``<cache>/fetch/<token>/``, every
+object hashed as it arrives and checked against the manifest, and loads that copy (deleted when the load ends).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from ..checks.load_checks import damaged
+from ..errors import CheckpointError
+from ..faults import fault_point
+from ..storage.manifest import Manifest
+from ..storage.object_store import ObjectStore, store_error
+from . import protocol
+from .base import CommittedCopy, Held, Location, SaveTarget
+from .dir_lock import acquire_save_lock
+from .names import MANIFEST_FILENAME, STAGING_PREFIX, iteration_dirname
+from .store_fetch import fetch_files, listed_problems, read_remote_manifest
+from .store_lease import acquire_remote_lock, check_lease
+
+if TYPE_CHECKING:
+    from ..collectives import Collectives
+
+__all__ = ["CACHE_ENV", "cache_root", "StorePrefix", "renamed_error", "clean_uncommitted"]
+
+CACHE_ENV = "PEFTCKPT_CACHE_DIR"
+"""Node-local directory for the spool of saves to, and the copies of loads from, an object store."""
+
+
+def cache_root() -> Path:
+    """``$PEFTCKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/peftckpt``, else ``~/.cache/peftckpt``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).absolute()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base).absolute() / "peftckpt"
+
+
+def renamed_error(e: BaseException, local: Path, url: str) -> BaseException:
+    """``e`` with the local copy's path in its message replaced by the URL it came from."""
+    if isinstance(e, CheckpointError) and e.args and isinstance(e.args[0], str) and str(local) in e.args[0]:
+        e.args = (e.args[0].replace(str(local), url), *e.args[1:])
+    return e
+
+
+class StorePrefix(Location):
+    """A save location or a checkpoint on an object store. Every store failure is one
+    :class:`~peftckpt.checkpoint.errors.CheckpointError` naming the URL (:func:`store_error`)."""
+
+    STAND_IN_PREFIX: ClassVar[str] = STAGING_PREFIX
+    STAND_IN_WORDS: ClassVar[str] = "new copy staged at"
+    WRITES_IN_PLACE: ClassVar[bool] = True
+
+    def __init__(self, store: ObjectStore | str):
+        self.store = store if isinstance(store, ObjectStore) else ObjectStore(store)
+        self.text = self.store.url
+
+    @contextlib.contextmanager
+    def _failing(self, rel: str, what: str) -> Iterator[None]:
+        """Store failures (not absence, not a size refused) as one error naming the URL of ``rel``."""
+        try:
+            yield
+        except (CheckpointError, FileNotFoundError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the store's failure, named once
+            raise store_error(e, self.store.url_of(rel), what) from None
+
+    def describe(self, rel: str = "") -> str:
+        return self.store.url_of(rel)
+
+    def ref(self, rel: str = "") -> str:
+        return self.store.url_of(rel)
+
+    @property
+    def name(self) -> str:
+        return self.store.name()
+
+    @property
+    def parent(self) -> str:
+        return self.text.rsplit("/", 1)[0]
+
+    def sub(self, rel: str) -> StorePrefix:
+        return StorePrefix(self.store.url_of(rel))
+
+    @property
+    def spool(self) -> Path:
+        """The node-local directory a save stages in (also where its node-local run lock lives)."""
+        return cache_root() / "spool" / self.store.scheme / self.store.root
+
+    # -------------------------------------------------------------------------------------- probes
+    def check_readable(self) -> None:
+        self.store.check_reachable()  # a missing bucket or credentials: said as such, not as "no checkpoint"
+
+    def store_problem(self, flag: str) -> str | None:
+        try:
+            self.store.check_reachable()
+        except CheckpointError as e:
+            return f"{flag} {e}"
+        return None
+
+    # ---------------------------------------------------------------------------------- small files
+    def read_small(self, rel: str, max_bytes: int) -> bytes:
+        with self._failing(rel, "the object"):
+            return self.store.read_bytes(rel, max_bytes)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        with self._failing(rel, "the object"):
+            self.store.write_bytes(rel, data)
+
+    def names(self) -> list[str]:
+        with self._failing("", "the save location"):
+            return self.store.children()
+
+    def holds_manifest(self, rel: str = "") -> bool:
+        where = f"{rel}/{MANIFEST_FILENAME}" if rel else MANIFEST_FILENAME
+        with self._failing(where, "the manifest"):
+            return self.store.exists(where)
+
+    def read_manifest(self, rel: str = "") -> Manifest:
+        return read_remote_manifest(self.store, rel)[0]
+
+    def size_problems(self, rel: str, manifest: Manifest) -> list[str]:
+        with self._failing(rel, "the checkpoint"):
+            problems = listed_problems(self.store, rel, manifest, self.store.list_files(rel))
+        return [problems[n] for n in sorted(problems)]
+
+    # ---------------------------------------------------------------------------------------- saves
+    def lock(self) -> Held:
+        return acquire_remote_lock(self.store, acquire_save_lock(self.spool))
+
+    def begin_save(self, iteration: int, token: str) -> SaveTarget:
+        """Upload into ``iter_N`` itself when it is not committed, else into a staging prefix; stage locally in
+        the spool (whose leftovers, from this host's interrupted saves, go first)."""
+        final = iteration_dirname(iteration)
+        name = f"{STAGING_PREFIX}{final}.{token}" if self.holds_manifest(final) else final
+        for leftover in self.spool.glob(f"{STAGING_PREFIX}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        local = self.spool / f"{STAGING_PREFIX}{final}.{token}"
+        local.mkdir(parents=True, exist_ok=True)
+        return SaveTarget(iteration, name, local)
+
+    def upload(self, target: SaveTarget, files: list[Path], rank: int, keep: bool = False) -> None:
+        """Upload this rank's ``files`` from the spool to ``target``, then delete them locally (unless ``keep``:
+        rank 0's ``.metadata``, which its commit checks read). Failures name the object."""
+        for n, path in enumerate(files):
+            rel = f"{target.name}/{path.relative_to(target.local).as_posix()}"
+            with self._failing(rel, "the upload"):
+                self.store.upload(path, rel)
+            if n == 0:
+                fault_point("upload", rank, target.iteration)
+        if keep:
+            return
+        for path in files:
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the last rank of a node (other than rank 0's) leaves no empty directory
+            target.local.rmdir()
+
+    def stored_sizes(self, target: SaveTarget) -> dict[str, int]:
+        with self._failing(target.name, "the uploaded checkpoint"):
+            return self.store.list_files(target.name)
+
+    def publish(self, target: SaveTarget, manifest_bytes: bytes, on_step: Callable[[str], None]) -> None:
+        """Steps:
+            1. Refuse if another run took the location's lease over since (nothing is committed).
+            2. PUT the manifest into ``target``: for a fresh iteration this is the commit.
+            3. For a re-save (``target`` is a staging prefix): promote it (:meth:`restore`).
+            4. Empty this save's spool.
+        """
+        check_lease(self.store.url)  # 1.
+        final = iteration_dirname(target.iteration)
+        self.write_atomic(f"{target.name}/{MANIFEST_FILENAME}", manifest_bytes)  # 2.
+        on_step("manifest_written")
+        if target.name != final:  # 3.
+            self.restore(target.name, final)
+        on_step("renamed")
+        shutil.rmtree(target.local, ignore_errors=True)  # 4.
+
+    def retire(self, name: str) -> None:
+        with self._failing(name, "retention"):
+            self.store.delete(f"{name}/{MANIFEST_FILENAME}")
+            self.store.delete(name)
+
+    def remove(self, name: str) -> None:
+        with self._failing(name, "a leftover of an earlier save"):
+            self.store.delete(name)
+
+    def restore(self, stand_in: str, final: str) -> bool:
+        """Replace ``final`` by the complete staged copy ``stand_in``: uncommit the old copy (manifest first),
+        delete it, copy the staged objects in (manifest last), delete the staged copy."""
+        with self._failing(final, "the re-save"):
+            if self.store.exists(f"{final}/{MANIFEST_FILENAME}"):
+                self.store.delete(f"{final}/{MANIFEST_FILENAME}")
+            self.store.delete(final)
+            for name in sorted(self.store.list_files(stand_in)):
+                if name != MANIFEST_FILENAME:
+                    self.store.copy(f"{stand_in}/{name}", f"{final}/{name}")
+            self.store.copy(f"{stand_in}/{MANIFEST_FILENAME}", f"{final}/{MANIFEST_FILENAME}")
+            self.store.delete(stand_in)
+        return True
+
+    def cleaned(self, changed: bool) -> None:
+        pass  # every delete was one request, durable when it returned
+
+    def new_output_problem(self, flag: str) -> str | None:
+        self.check_readable()
+        return f"{flag} {self.text} already holds objects" if self.names() else None
+
+    def discard(self, existed: bool) -> None:
+        self.remove("")
+
+    # ---------------------------------------------------------------------------------------- loads
+    @contextlib.contextmanager
+    def reading(self, comm: Collectives) -> Iterator[tuple[Path, str | None]]:
+        """Steps:
+            1. Rank 0 resolves the checkpoint on the store (tracker, fallbacks); all ranks get its name and a
+               fresh token.
+            2. The lowest rank of each host downloads every recorded object, hashing it as it streams; any
+               damaged, missing or unlisted object fails the load on every rank, named by its URL.
+            3. The caller loads the local copy; library errors naming the copy name the URL instead.
+            4. Once every rank is done, the downloading ranks delete their copies.
+        """
+        resolved: tuple[str, int, str] | CheckpointError | None = None
+        if comm.rank == 0:  # 1.
+            try:
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always")
+                    rel, iteration = protocol.resolve(self)
+                for w in said:
+                    warnings.warn(w.message, w.category, stacklevel=3)
+                resolved = (rel, iteration, secrets.token_hex(6))
+            except CheckpointError as e:
+                resolved = e
+        # Rank 0's own error on every rank, of its type: a caller tells "no checkpoint yet" (CheckpointNotFoundError,
+        # e.g. a first --load that starts from scratch) from a real failure the same way on every rank.
+        resolved = comm.broadcast_from_first(resolved)
+        if isinstance(resolved, CheckpointError):
+            resolved.every_rank = True
+            raise resolved
+        assert resolved is not None
+        rel, iteration, token = resolved
+        url = self.store.url_of(rel)
+        hosts = comm.gather(socket.gethostname())
+        downloads = hosts.index(hosts[comm.rank]) == comm.rank
+        local = cache_root() / "fetch" / token / iteration_dirname(iteration)
+        problems: list[str] = []
+        error = None
+        if downloads:  # 2.
+            try:
+                problems = self._download(rel, local)[1]
+            except (CheckpointError, OSError) as e:
+                error = e
+        comm.agree(error)
+        bad = sorted({p for ps in comm.gather(problems) for p in ps})
+        try:
+            raised = damaged(url, bad)  # type: ignore[arg-type]
+            if raised is not None:
+                raised.every_rank = True
+                raise raised
+            try:
+                yield local, url  # 3.
+            except BaseException as e:
+                raise renamed_error(e, local, url) from None
+        finally:
+            comm.barrier()  # 4.
+            if downloads:
+                shutil.rmtree(local.parent, ignore_errors=True)
+
+    def committed_copy(self) -> CommittedCopy:
+        """Resolve the location and download its committed checkpoint into a fresh local copy, every object
+        verified as it streams; the copy is deleted when the process exits."""
+        rel, iteration = protocol.resolve(self)
+        local = cache_root() / "fetch" / secrets.token_hex(6) / iteration_dirname(iteration)
+        atexit.register(shutil.rmtree, local.parent, True)
+        manifest, problems = self._download(rel, local)
+        return CommittedCopy(local, self.store.url_of(rel), iteration, manifest, problems)
+
+    def _download(self, rel: str, local: Path) -> tuple[Manifest, list[str]]:
+        """The checkpoint ``rel`` into ``local``: its recorded objects, verified as they stream, then its manifest;
+        returns the manifest and the bad objects (named by URL)."""
+        manifest, data = read_remote_manifest(self.store, rel)
+        problems = fetch_files(self.store, rel, manifest, local)
+        (local / MANIFEST_FILENAME).write_bytes(data)
+        return manifest, problems
+
+
+def clean_uncommitted(store: ObjectStore | StorePrefix) -> list[str]:
+    """Before a save: :func:`~.protocol.clean` of a store location; the names promoted, then those removed."""
+    restored, removed = protocol.clean(store if isinstance(store, StorePrefix) else StorePrefix(store))
+    return restored + removed
+
+

@@ -1,0 +1,58 @@
+"""Durable local writes: fsync of files, directories and trees, and the atomic replace of a small file.
+
+Used by the commit protocol on a directory (:mod:`~peftckpt.checkpoint.location.directory`) and by the
+exports, which write HF directories with the same guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+__all__ = ["fsync_file", "fsync_dir", "fsync_tree", "atomic_write_bytes"]
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush one file's data and metadata to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush a directory's entries (creations, renames, deletions inside it) to stable storage."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike[str]) -> None:
+    """fsync every file and every directory under ``path`` (and ``path`` itself), children first."""
+    for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            fsync_file(os.path.join(dirpath, name))
+        fsync_dir(dirpath)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` by ``data`` atomically: temp file in the same directory, fsync, rename, fsync dir.
+
+    A reader sees either the old content or the new one, never a partial file.
+    """
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
