@@ -117,7 +117,7 @@ def test_damage_is_found_in_what_is_read_and_named(saved: tuple[Path, torch.Tens
         target.load(copy)
     text = str(info.value)
     assert f"{path}: xxh3_64 checksum mismatch in the bytes of {KEY!r}" in text
-    assert "may hold values from them" in text and "--no-verify-checksums" in text
+    assert "may hold values from them" in text and "LoadOptions(verify_checksums=False)" in text
     with pytest.raises(CheckpointIntegrityError, match="xxh3_128 checksum mismatch"):
         target.load(copy, LoadOptions(verify_while_reading=False))
 

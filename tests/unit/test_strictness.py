@@ -339,4 +339,4 @@ def test_missing_optimizer_state_follows_the_mode(mode: StrictHandling) -> None:
     else:
         assert isinstance(error, StrictnessError) and str(error) == (
             "rank 3: checkpoint /c/iter_0000002 lacks the optimizer state of 1 parameter(s): "
-            "optimizer.scalar_state.model.w; pass --no-load-optim to start a fresh optimizer")
+            "optimizer.scalar_state.model.w; pass LoadOptions(load_optim=False) to start a fresh optimizer")

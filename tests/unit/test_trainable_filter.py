@@ -25,7 +25,7 @@ from peftckpt.sharding.entries import GlobalTensor, Piece, global_tensor_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-REFUSAL = ("--save-trainable-params-only needs --ckpt-format torch_dist, but this save would use {fmt!r} "
+REFUSAL = ("SaveOptions(trainable_only=True) needs ckpt_format 'torch_dist', but this save would use {fmt!r} "
            "(legacy torch checkpoints lose requires_grad, so every tensor would be dropped); nothing was written")
 
 
@@ -332,7 +332,8 @@ def test_load_onto_a_different_base(tmp_path: Path) -> None:
     assert "was trained on a different base model" in text
     assert f"base fingerprint in the checkpoint: {recorded}\n" in text
     assert f"base fingerprint of this model:     {mine}\n" in text
-    assert text.endswith("load the matching --pretrained-checkpoint, or pass --no-verify-base to override")
+    assert text.endswith("load the base it was trained on (load_pretrained), or pass LoadOptions(verify_base=False) "
+                         "to override")
     assert not torch.equal(target.adapter.weight, block.adapter.weight)  # nothing loaded
 
     result = checkpointer.load(tmp_path, LoadOptions(verify_base=False))
@@ -366,7 +367,7 @@ def test_trainable_now_frozen_then_is_unexpected_with_a_hint(tmp_path: Path) -> 
     text = str(info.value)
     assert re.search(r"^rank 0: \d+ key\(s\) requested but absent from checkpoint ", text)
     assert ("\n  model.norm.weight  (trainable now but frozen when the checkpoint was saved, so it is not in it: "
-            "its value must come from --pretrained-checkpoint; --dist-ckpt-strictness log_unexpected keeps "
+            "its value must come from the base (load_pretrained); LoadOptions.strictness = log_unexpected keeps "
             "that value)\n") in text
     before = target.norm.weight.detach().clone()
     result = Checkpointer([target], topt, **KW).load(

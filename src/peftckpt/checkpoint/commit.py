@@ -81,7 +81,7 @@ def commit_outcome(c: PendingCommit, reached: Sequence[str]) -> str:
     """What a commit that failed after the steps in ``reached`` left committed (see ``protocol.commit``)."""
     if "tracker" in reached:
         return (f"iteration {c.iteration} was committed as {c.final} and the tracker names it; only deleting "
-                "older checkpoints (--keep-last-k) failed")
+                "older checkpoints (keep_last_k) failed")
     # Published: renamed, or -- where a fresh iteration is written in place -- its manifest written.
     if "renamed" in reached or ("manifest_written" in reached and c.target.name == iteration_dirname(c.iteration)):
         try:

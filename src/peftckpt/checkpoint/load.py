@@ -193,7 +193,7 @@ class Loads:
             # import-peft). Its keys are not "missing"; the optimizer starts fresh, and we say so.
             with_optim = False
             if self.parts.rank == 0:
-                warnings.warn(f"checkpoint {ckpt} was saved without optimizer state (--no-save-optim or an "
+                warnings.warn(f"checkpoint {ckpt} was saved without optimizer state (SaveOptions(save_optim=False) or an "
                               "import): the optimizer starts fresh", stacklevel=3)
         request = self.parts.build(manifest.trainable_only, with_optim).tensors()
         if manifest.trainable_only:  # buffers, which trainable-only saves of earlier releases left out
@@ -221,7 +221,7 @@ class Loads:
         """The strictness mode against the stored keys (collective); unexpected keys leave the request."""
         saved = set(stored.tensor_shapes)
         hints = {k: ("trainable now but frozen when the checkpoint was saved, so it is not in it: its value must "
-                     "come from --pretrained-checkpoint; --dist-ckpt-strictness log_unexpected keeps that value")
+                     "come from the base (load_pretrained); LoadOptions.strictness = log_unexpected keeps that value")
                  for k in manifest.excluded_keys}
         all_requested = None
         if options.strictness.needs_missing:
@@ -329,12 +329,12 @@ class Loads:
         ckpt, _, manifest, verification = self._resolve(path, options)
         if manifest.trainable_only:
             raise CheckpointFormatError(
-                f"--pretrained-checkpoint {ckpt} is an adapter-only checkpoint (saved with "
-                "--save-trainable-params-only); it holds no base weights. Pass it as --load instead")
+                f"load_pretrained: {ckpt} is an adapter-only checkpoint (saved with "
+                "SaveOptions(trainable_only=True)); it holds no base weights. Load it with Checkpointer.load instead")
         self.comm.agree(architecture_mismatch(self.parts.model_config, manifest, ckpt))
-        fmt = storage_format(manifest.format, f"--pretrained-checkpoint {ckpt}")
+        fmt = storage_format(manifest.format, f"load_pretrained: {ckpt}")
         if not fmt.reshards:
-            raise CheckpointFormatError(f"--pretrained-checkpoint {ckpt} must be torch_dist, got {manifest.format!r}")
+            raise CheckpointFormatError(f"load_pretrained: {ckpt} must be torch_dist, got {manifest.format!r}")
         stored = self._open(fmt, ckpt, manifest, options)
         request = self.parts.build(False, False).tensors()
         self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
@@ -343,7 +343,7 @@ class Loads:
         error: BaseException | None = None
         if frozen_absent:
             error = CheckpointMismatchError(
-                f"--pretrained-checkpoint {ckpt} lacks {len(frozen_absent)} frozen base tensor(s): "
+                f"load_pretrained: {ckpt} lacks {len(frozen_absent)} frozen base tensor(s): "
                 + ", ".join(sorted(frozen_absent)[:10]) + ("" if len(frozen_absent) <= 10 else ", ...")
             )
         self.comm.agree(error)

@@ -168,7 +168,7 @@ class Saves:
                                             f"ckpt_format {TORCH_DIST!r}, not {options.ckpt_format!r}")
             if options.trainable_only and not fmt.holds_trainable_only:  # the format may change after parsing
                 raise CheckpointFormatError(
-                    f"--save-trainable-params-only needs --ckpt-format torch_dist, but this save would use "
+                    f"SaveOptions(trainable_only=True) needs ckpt_format 'torch_dist', but this save would use "
                     f"{fmt.name!r} (legacy torch checkpoints lose requires_grad, so every tensor would be "
                     "dropped); nothing was written")
             held = p.model_sections()
@@ -192,7 +192,7 @@ class Saves:
             trainable = any(v.requires_grad for sec in held.values() for v in sec.values()
                             if isinstance(v, GlobalTensor))
             if not any(self.comm.gather(trainable)) and p.rank == 0:
-                warnings.warn("--save-trainable-params-only: no model parameter is trainable, so this checkpoint "
+                warnings.warn("SaveOptions(trainable_only=True): no model parameter is trainable, so this checkpoint "
                               "holds no model parameters (buffers only, if any)", stacklevel=3)
         sections = model_section_names(len(p.chunks)) + (
             [OPTIMIZER] if options.save_optim and p.optimizer is not None else []) + (

@@ -17,6 +17,7 @@ from ..checkpoint.errors import CheckpointError
 from ..cli.parsing import print_error
 from ..parallel.device import backend_for, resolve_device
 from .args import ArgumentError
+from .flag_words import in_flag_terms_error, say_warnings_in_flag_terms
 from .interrupts import RunStopped, StopSignals
 
 __all__ = ["run_training", "run_with_process_group", "end_with_launcher", "exit_multi_rank"]
@@ -44,7 +45,8 @@ def run_with_process_group(body: Callable[[], None], world_size: int, rank: int,
     try:
         if device_error is not None:
             raise device_error
-        body()
+        with say_warnings_in_flag_terms(f"peftckpt {prog}"):
+            body()
         code, agreed = 0, True
     except RunStopped as e:  # a signal, agreed by every rank
         if rank == 0:
@@ -59,7 +61,7 @@ def run_with_process_group(body: Callable[[], None], world_size: int, rank: int,
     except (ArgumentError, CheckpointError) as e:
         # Raised alike on every rank: said once, by rank 0. Other errors may be one rank's own.
         if rank == 0 or not (isinstance(e, ArgumentError) or getattr(e, "every_rank", False)):
-            print_error(f"peftckpt {prog}", e)
+            print_error(f"peftckpt {prog}", in_flag_terms_error(e))
         code = 2 if isinstance(e, ArgumentError) else 1
         # Known to be raised by every rank (an agreed error): all can wait for rank 0 to have said it, so
         # torchrun does not stop rank 0 mid-message when a peer exits first.

@@ -22,7 +22,7 @@ def damaged(ckpt: Path, problems: list[str], after_read: bool = False) -> Checkp
         return None
     return CheckpointIntegrityError(
         f"checkpoint {ckpt} is damaged:\n  " + "\n  ".join(problems)
-        + ("\n(--no-verify-checksums skips the checksums)" if any("checksum mismatch" in p for p in problems) else "")
+        + ("\n(LoadOptions(verify_checksums=False) skips the checksums)" if any("checksum mismatch" in p for p in problems) else "")
         + ("\nits data files were checked while they were read, so the model and optimizer may hold "
            "values from them: load again from an intact checkpoint" if after_read else ""))
 
@@ -35,11 +35,10 @@ def architecture_mismatch(model_config: Mapping[str, Any], manifest: Manifest, c
     if not diffs:
         return None
     return CheckpointMismatchError(f"checkpoint {ckpt} was saved for a different architecture:\n"
-                                   + "\n".join(diffs) + "\nfix the model flags to match the checkpoint")
+                                   + "\n".join(diffs) + "\nfix the model configuration to match the checkpoint")
 
 
-_ADAPTER_KEYS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules",
-                 "layers": "--lora-layers", "train_params": "--lora-train-params"}
+_ADAPTER_KEYS = ("rank", "alpha", "target_modules", "layers", "train_params")
 """The adapter configuration that decides which tensors exist and what they compute (dropout may change)."""
 
 
@@ -50,19 +49,19 @@ def _canonical(key: str, value: Any) -> Any:
 def adapter_mismatch(adapter_config: Mapping[str, Any] | None, manifest: Manifest, ckpt: Path
                      ) -> CheckpointMismatchError | None:
     """The adapter settings (rank, alpha, targets, layers, unfrozen base parameters) that differ between the
-    checkpoint and the model, as one error naming the trainer flag of each: a resume onto other adapters would
+    checkpoint and the model, as one error naming each key: a resume onto other adapters would
     otherwise fail on shapes, or silently drop the adapters this model no longer has."""
     saved = manifest.adapter_config
     if not adapter_config or not saved:
         return None
-    diffs = [f"  {key} ({flag}): checkpoint {saved.get(key)!r}, model {adapter_config.get(key)!r}"
-             for key, flag in _ADAPTER_KEYS.items() if key in saved and key in adapter_config
+    diffs = [f"  adapter_config[{key!r}]: checkpoint {saved.get(key)!r}, model {adapter_config.get(key)!r}"
+             for key in _ADAPTER_KEYS if key in saved and key in adapter_config
              and _canonical(key, saved[key]) != _canonical(key, adapter_config[key])]
     if not diffs:
         return None
     return CheckpointMismatchError(
         f"checkpoint {ckpt} was saved with a different adapter configuration:\n" + "\n".join(diffs)
-        + "\nfix those flags to match the checkpoint, or leave the LoRA flags out to take the checkpoint's")
+        + "\nmake the adapter_config match the checkpoint's")
 
 
 def base_mismatch(manifest: Manifest, mine: str, ckpt: Path) -> CheckpointMismatchError | None:
@@ -73,7 +72,7 @@ def base_mismatch(manifest: Manifest, mine: str, ckpt: Path) -> CheckpointMismat
         f"adapter checkpoint {ckpt} was trained on a different base model:\n"
         f"  base fingerprint in the checkpoint: {manifest.base_fingerprint}\n"
         f"  base fingerprint of this model:     {mine}\n"
-        "load the matching --pretrained-checkpoint, or pass --no-verify-base to override")
+        "load the base it was trained on (load_pretrained), or pass LoadOptions(verify_base=False) to override")
 
 
 def shape_mismatch(request: Mapping[str, Any], stored: Mapping[str, Sequence[int] | None], ckpt: Path
@@ -88,7 +87,7 @@ def shape_mismatch(request: Mapping[str, Any], stored: Mapping[str, Sequence[int
     return CheckpointMismatchError(
         f"checkpoint {ckpt} stores {len(diffs)} tensor(s) with another shape than this model's:\n"
         + "\n".join(diffs[:10]) + ("\n  ..." if len(diffs) > 10 else "")
-        + "\nthe model flags (architecture, --lora-rank, --lora-target-modules) must match the checkpoint's")
+        + "\nthe model (its configuration and adapters) must match the checkpoint's")
 
 
 def optimizer_state_missing(absent: Sequence[str], strictness: StrictHandling, rank: int, ckpt: Path
@@ -98,4 +97,4 @@ def optimizer_state_missing(absent: Sequence[str], strictness: StrictHandling, r
     if not absent or strictness.removes_unexpected:
         return None
     return StrictnessError(f"rank {rank}: checkpoint {ckpt} lacks the optimizer state of {len(absent)} "
-                           f"parameter(s): {', '.join(absent[:10])}; pass --no-load-optim to start a fresh optimizer")
+                           f"parameter(s): {', '.join(absent[:10])}; pass LoadOptions(load_optim=False) to start a fresh optimizer")

@@ -15,7 +15,7 @@ from ..errors import StrictnessError
 
 __all__ = ["StrictHandling", "KeyReport", "check_keys", "STRICTNESS_FLAG"]
 
-STRICTNESS_FLAG = "--dist-ckpt-strictness"
+STRICTNESS_FLAG = "LoadOptions.strictness ="
 
 
 class StrictHandling(StrEnum):

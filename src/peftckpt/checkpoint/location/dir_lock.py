@@ -122,8 +122,8 @@ def acquire_save_lock(save_dir: str | os.PathLike[str]) -> SaveDirLock:
                 os.close(fd)
                 raise SaveDirInUseError(
                     f"save directory {save} is in use by another run ({holder}); two runs saving into one "
-                    "directory would delete each other's saves in progress. Wait for it to end, or pass "
-                    "another --save directory") from None
+                    "directory would delete each other's saves in progress. Wait for it to end, or save to "
+                    "another directory") from None
             os.close(fd)
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise

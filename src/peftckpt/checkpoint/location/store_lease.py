@@ -218,8 +218,8 @@ def _take(store: ObjectStore, holder: str) -> str:
             if now is not None:
                 raise SaveDirInUseError(
                     f"save location {store.url} is in use by another run ({now[1]}); two runs saving into one "
-                    "location would delete each other's saves in progress. Wait for it to end, or pass another "
-                    "--save location")
+                    "location would delete each other's saves in progress. Wait for it to end, or save to another "
+                    "location")
             first = None
     try:
         if first is None:

@@ -147,7 +147,7 @@ def apply_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, A
     :func:`optimizer_entries`; returns the names of parameters whose scalar state the checkpoint lacks."""
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(f"checkpoint has {len(saved)} optimizer param groups, the optimizer has "
-                              f"{len(optimizer.param_groups)}; pass --no-load-optim to start a fresh optimizer")
+                              f"{len(optimizer.param_groups)}; pass LoadOptions(load_optim=False) to start a fresh optimizer")
     names = _param_names(chunks)
     absent: list[str] = []
     for group, hyper in zip(optimizer.param_groups, saved):

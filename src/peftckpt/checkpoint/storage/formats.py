@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +38,11 @@ from .legacy import LegacyRankFile, rank_file, save_rank_file
 from .manifest import TORCH, TORCH_DIST, Manifest
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import load_dcp_metadata
+
+# DCP tells every one-process load (and save) that it "assumes the intent is to load in a single process": a
+# checkpointer without a process group means exactly that, so the notice says nothing to peftckpt's users.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming "
+                        r"the intent is to (load|save) in a single process", category=UserWarning)
 
 __all__ = ["StorageFormat", "StoredCheckpoint", "WriteJob", "Written", "TorchDistFormat", "LegacyTorchFormat", "FORMATS", "storage_format", "no_zip_crc32"]
 

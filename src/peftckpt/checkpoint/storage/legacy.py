@@ -44,8 +44,8 @@ def save_rank_file(staging: Path, chunks: Sequence[nn.Module], optimizer: torch.
     if save_optim and optimizer is not None and layout.get("dp", 1) > 1 and any(
             isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("dp",)
             for g in optimizer.param_groups for p in g["params"]):
-        raise CheckpointFormatError("--ckpt-format torch cannot hold a data-parallel-sharded optimizer "
-                                    "(--use-distributed-optimizer); use --ckpt-format torch_dist")
+        raise CheckpointFormatError("ckpt_format 'torch' cannot hold a data-parallel-sharded optimizer "
+                                    "(a distributed optimizer); use ckpt_format 'torch_dist'")
     state: dict[str, Any] = {}
     for section, chunk in zip(model_section_names(len(chunks)), chunks):
         state[section] = {k: _local(v) if isinstance(v, torch.Tensor) else v
@@ -77,8 +77,9 @@ class LegacyRankFile:
         now = {k: layout.get(k, 1) for k in ("tp", "pp", "vpp")}
         if saved != now:
             raise CheckpointMismatchError(
-                f"legacy --ckpt-format torch checkpoint {root} was saved at {saved} and loads only at that layout "
-                f"(this run: {now}); convert it with --ckpt-convert-format torch_dist to reshard")
+                f"legacy ckpt_format 'torch' checkpoint {root} was saved at {saved} and loads only at that layout "
+                f"(this run: {now}); convert it to torch_dist to reshard (peftckpt train ... "
+                "--ckpt-convert-format torch_dist)")
         self.path = rank_file(root, coords, layout)
         state = torch.load(self.path, map_location="cpu", weights_only=True)
         self._stored: dict[str, Any] = {}
