@@ -109,9 +109,7 @@ class Loads:
 
     def load(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
              model_only: bool = False) -> LoadResult:
-        """Load a committed checkpoint into the chunks (and optimizer); returns iteration, objects, report.
-
-        Steps:
+        """:meth:`~peftckpt.checkpoint.api.Checkpointer.load`. Steps:
             1. Resolve the directory (tracker), read the manifest, verify the files (split over ranks; the
                data files' checksums in a thread, while step 4 reads them).
             2. Check that the checkpoint fits this model: architecture, adapter configuration and, for a
@@ -262,13 +260,7 @@ class Loads:
 
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
                           read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor]) -> list[str]:
-        """Load the model sections from a source in another format, piece by piece (collective).
-
-        ``shapes`` maps the storage keys the source holds (``model.<name>``) to their global shapes; ``read(key,
-        offsets, sizes)`` returns that region of one. Each rank reads only its own pieces, straight into the
-        model. As with :meth:`load_pretrained`, a frozen tensor the source lacks (or holds with another
-        shape) is an error naming ``source``; trainable ones it lacks (adapters) keep their values. Returns
-        the keys that were not in the source."""
+        """:meth:`~peftckpt.checkpoint.api.Checkpointer.load_base_tensors` (collective)."""
         request = self.parts.build(False, False).tensors()
         absent = sorted(k for k in request if k not in shapes)
         wrong = [f"  {k}: {source} {list(shapes[k])}, model {list(v.global_shape)}" for k, v in sorted(request.items())
@@ -314,11 +306,8 @@ class Loads:
         self.base_fingerprint_wait_s = fingerprinting.wait_s
 
     def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
-        """Load the base weights (model sections only) from a full checkpoint.
-
-        Trainable parameters the base does not have (the adapters) keep their initial values; a *frozen*
-        parameter the base does not have is an error -- it would silently stay random.
-        """
+        """:meth:`~peftckpt.checkpoint.api.Checkpointer.load_pretrained`: the base from a full checkpoint (a
+        frozen parameter it lacks is an error; trainable ones it lacks, the adapters, keep their values)."""
         options = options or LoadOptions()
         with self._located(path, options) as (local, options, url):
             result = self._load_pretrained(local, options)

@@ -4,6 +4,9 @@ time, and the start-up check of the paths they name (before any model is built).
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint.checks.strictness import StrictHandling
@@ -98,6 +101,35 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--keep-last-k must be >= 1, got {args.keep_last_k}")
 
 
+def _save_dir_problem(flag: str, path: Path) -> str | None:
+    """Why ``path`` cannot become a save directory, or ``None``: it is a writable directory, or its nearest
+    existing ancestor is one (the run lock creates it). Nothing is left behind by the check."""
+    if path.exists() and not path.is_dir():
+        return f"{flag} {path} is a file, not a directory"
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{flag} {path} is not a writable directory ({probe} is a file)"
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".peftckpt-write-test."):
+            pass
+    except OSError as e:
+        return f"{flag} {path} is not a writable directory ({e.strerror or e})"
+    return None
+
+
+def _read_dir_problem(flag: str, path: Path, must_exist: bool) -> str | None:
+    """Why ``path`` cannot be read as a checkpoint or save directory, or ``None``."""
+    if not path.exists():
+        return f"{flag} {path} does not exist" if must_exist else None
+    if not path.is_dir():
+        return f"{flag} {path} is a file, not a checkpoint or save directory"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"{flag} {path} is not readable"
+    return None
+
+
 def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> Held | None:
     """Before any model is built or any iteration runs (collective): every rank checks that ``--load`` and
     ``--pretrained-checkpoint`` are readable and that ``--save`` (and ``--ckpt-convert-save``) is, or can be
@@ -117,11 +149,12 @@ def check_checkpoint_paths(args: argparse.Namespace, rank: int) -> Held | None:
     flags = {"--load": args.load, "--pretrained-checkpoint": args.pretrained_checkpoint, "--save": args.save,
              "--ckpt-convert-save": args.ckpt_convert_save}
     locs = {flag: locate(v, flag) for flag, v in flags.items() if v}
-    problems = [p for flag, must_exist in (("--load", False), ("--pretrained-checkpoint", True)) if flag in locs
-                and (p := locs[flag].local_problem(flag, write=False, must_exist=must_exist)) is not None]
+    local = {flag: path for flag, loc in locs.items() if (path := loc.local_dir()) is not None}
+    problems = [p for flag, must_exist in (("--load", False), ("--pretrained-checkpoint", True)) if flag in local
+                and (p := _read_dir_problem(flag, local[flag], must_exist)) is not None]
     if not problems:
         problems = [p for flag in ("--save", "--ckpt-convert-save")
-                    if flag in locs and (p := locs[flag].local_problem(flag, write=True)) is not None]
+                    if flag in local and (p := _save_dir_problem(flag, local[flag])) is not None]
     if not problems and rank == 0:  # one probe of each store location (nothing is written)
         problems = [p for flag, loc in locs.items() if (p := loc.store_problem(flag)) is not None]
     comm = Collectives()

@@ -126,11 +126,6 @@ class Location(ABC):
         """Raise one :class:`~peftckpt.checkpoint.errors.CheckpointError` unless the location can be listed
         (it exists and is a directory; or the bucket exists and the credentials work)."""
 
-    def local_problem(self, flag: str, *, write: bool, must_exist: bool = False) -> str | None:
-        """Why the location, named by ``flag``, cannot be read (or with ``write``, created and written), as far
-        as a cheap local check can tell; ``None`` when it can, or when only the store can tell."""
-        return None
-
     def store_problem(self, flag: str) -> str | None:
         """Why the store behind the location cannot be reached, or ``None`` (always, for a directory)."""
         return None

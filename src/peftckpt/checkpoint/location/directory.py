@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -79,9 +78,6 @@ class Directory(Location):
         if not self.path.is_dir():
             raise CheckpointFormatError(f"{self.path} is a file, not a checkpoint directory or a save directory; "
                                         "pass the directory")
-
-    def local_problem(self, flag: str, *, write: bool, must_exist: bool = False) -> str | None:
-        return _write_problem(flag, self.path) if write else _read_problem(flag, self.path, must_exist)
 
     # ---------------------------------------------------------------------------------- small files
     def read_small(self, rel: str, max_bytes: int) -> bytes:
@@ -203,35 +199,6 @@ class Directory(Location):
         rel, iteration = protocol.resolve(self)
         ckpt = self.ref(rel)
         return CommittedCopy(ckpt, str(ckpt), iteration)
-
-
-def _write_problem(flag: str, path: Path) -> str | None:
-    """Why ``path`` cannot become a save directory, or ``None``: it is a writable directory, or its nearest
-    existing ancestor is one (the run lock creates it). Nothing is left behind by the check."""
-    if path.exists() and not path.is_dir():
-        return f"{flag} {path} is a file, not a directory"
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{flag} {path} is not a writable directory ({probe} is a file)"
-    try:
-        with tempfile.NamedTemporaryFile(dir=probe, prefix=".peftckpt-write-test."):
-            pass
-    except OSError as e:
-        return f"{flag} {path} is not a writable directory ({e.strerror or e})"
-    return None
-
-
-def _read_problem(flag: str, path: Path, must_exist: bool) -> str | None:
-    """Why ``path`` cannot be read as a checkpoint or save directory, or ``None``."""
-    if not path.exists():
-        return f"{flag} {path} does not exist" if must_exist else None
-    if not path.is_dir():
-        return f"{flag} {path} is a file, not a checkpoint or save directory"
-    if not os.access(path, os.R_OK | os.X_OK):
-        return f"{flag} {path} is not readable"
-    return None
 
 
 # ------------------------------------------------------------------------ seams for code holding a path
