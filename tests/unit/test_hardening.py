@@ -237,7 +237,8 @@ def test_commit_refuses_a_save_whose_data_another_save_deleted(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The reported bug: a second save into the same directory removed the first one's staging directory
     while it was being written; the first then committed a checkpoint without data. (Two runs are kept apart
-    by the run lock; two checkpointers of one process share it, so the commit's own check is what stops this.)"""
+    by the run lock; two checkpointers of one process share it and no longer clean each other's saves in
+    progress -- and if a save's files vanish anyway, the commit's own check stops it.)"""
     from peftckpt.checkpoint import save as api
 
     save = tmp_path / "save"
@@ -256,7 +257,9 @@ def test_commit_refuses_a_save_whose_data_another_save_deleted(tmp_path: Path,
     first.save(save, 2, options=SaveOptions(async_save=True))  # in flight: its staging directory exists
     assert written.wait(60)  # written, not yet committed (the write itself must not be what fails)
     monkeypatch.setattr(api, "commit_checkpoint", commit)
-    second.save(save, 5)  # removes every staging directory it finds, including the first's
+    second.save(save, 5)  # a second checkpointer of this process: its clean leaves the first's save alone ...
+    staging = next(save.glob(".staging.iter_0000002.*"))
+    shutil.rmtree(staging)  # ... whatever removes it anyway (a tool, a bug), the commit's own check refuses it
     go_on.set()
     with pytest.raises(CheckpointError) as info:
         first.wait()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -221,3 +222,64 @@ def test_inspect_lists_a_save_location_of_either_kind(where: str) -> None:
     assert str(report.checkpoint.path) == loc.describe("iter_0000002")
     entry = next(e for e in report.save_dir.entries if e.name == "iter_0000001")
     assert f"{loc.describe('iter_0000001/stray.bin')}: unexpected" in (entry.reason or "")
+
+
+def test_two_names_for_one_iteration_are_refused_and_nothing_is_deleted(where: str) -> None:
+    loc = locate(where, "save")
+    ckpt, _ = small_checkpointer()
+    ckpt.save(where, 1)
+    ckpt.save(where, 2)
+    twin = "iter_00000002"  # parses to 2 as well
+    if not where.startswith("s3://"):
+        Path(loc.describe(twin)).mkdir()
+    loc.write_atomic(f"{twin}/metadata.json", loc.read_small("iter_0000002/metadata.json", 1 << 20))
+    _leave_uncommitted(loc, 7)
+    before = loc.names()
+    said = "iter_00000002 and iter_0000002 both name iteration 2"
+    for act in (lambda: protocol.resolve(loc), lambda: protocol.list_committed(loc), lambda: protocol.clean(loc),
+                lambda: protocol.apply_retention(loc, 1), lambda: ckpt.save(where, 3)):
+        with pytest.raises(CheckpointError, match=said):
+            act()
+    ckpt.close()
+    assert [n for n in loc.names() if n != ".peftckpt.lock"] == [n for n in before if n != ".peftckpt.lock"]
+
+
+@pytest.mark.parametrize("where", ["directory"], indirect=True)
+def test_two_checkpointers_of_one_process_keep_each_others_saves(where: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run lock is shared within a process, so a second checkpointer saving into the same location must not
+    clean away the first one's save in flight."""
+    from peftckpt.checkpoint.storage import formats
+
+    release = threading.Event()
+    copy = formats.host_copy
+
+    def held(*args: object, **kwargs: object) -> object:
+        assert release.wait(60)
+        return copy(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(formats, "host_copy", held)
+    first, _ = small_checkpointer()
+    second, _ = small_checkpointer(seed=1)
+    handle = first.async_save(where, 1, options=SaveOptions(defer_snapshot=True))
+    second.save(where, 2)  # its clean runs while the first save is in flight
+    release.set()
+    assert str(handle.result()).endswith("iter_0000001")
+    first.close()
+    second.close()
+    assert protocol.list_committed(locate(where, "save")) == [1, 2]
+
+
+@pytest.mark.parametrize("where", ["store"], indirect=True)
+def test_a_lease_taken_over_is_found_on_the_store_before_anything_is_cleaned(where: str) -> None:
+    """A run whose lease another run took while it was stopped (its renewal thread never ran) finds out from the
+    store itself before its next save cleans or commits anything."""
+    loc = locate(where, "save")
+    ckpt, _ = small_checkpointer()
+    ckpt.save(where, 1)  # takes the lease
+    _leave_uncommitted(loc, 5)  # what another run may be uploading
+    loc.write_atomic(".peftckpt.lock", b'{"holder": "host other, pid 1", "sequence": 0}\n')  # taken over
+    with pytest.raises(CheckpointError, match="taken over by another run"):
+        ckpt.save(where, 2)
+    assert "iter_0000005" in loc.names() and protocol.list_committed(loc) == [1]
+    ckpt.close()

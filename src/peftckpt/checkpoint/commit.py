@@ -113,7 +113,15 @@ def hand_over_files(c: PendingCommit, rank: int) -> dict[str, Any]:
 
 
 def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
-    """Checksums (and uploads), whole-checkpoint check, manifest, tracker, retention (collective)."""
+    """Checksums (and uploads), whole-checkpoint check, manifest, tracker, retention (collective); committed or
+    failed, the save is no longer in progress (:func:`~peftckpt.checkpoint.location.protocol.claim`)."""
+    try:
+        _commit(comm, c)
+    finally:
+        protocol.unclaim(c.location, c.target.name)
+
+
+def _commit(comm: Collectives, c: PendingCommit) -> None:
     error: BaseException | None = None
     mine: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, c.kept, c.excluded)
     try:

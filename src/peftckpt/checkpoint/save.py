@@ -125,6 +125,7 @@ class Saves:
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = unwrap_dcp_error(e)
             self.pending = None
+            protocol.unclaim(location, commit.target.name)
         try:
             self.comm.agree(error, f"saving iteration {iteration} to {location.text} failed")
         finally:
@@ -211,9 +212,11 @@ class Saves:
         error: BaseException | None = None
         if self.parts.rank == 0:
             try:
-                self.lock(location)  # no other live run saves here: what is left is stale
+                self.lock(location)  # no other live run saves here: what is left is stale ...
+                location.check_held()  # ... as long as this run still holds the location
                 protocol.clean(location)
                 target = location.begin_save(iteration, secrets.token_hex(6))
+                protocol.claim(location, target.name)
             except (CheckpointError, OSError) as e:
                 error = e
         self.comm.agree(error, f"saving iteration {iteration} to {location.text} failed")
@@ -271,6 +274,7 @@ class Saves:
                 commit_checkpoint(self.comm, pending)
         except BaseException as e:
             pending.error = e
+            protocol.unclaim(pending.location, pending.target.name)
             raise
 
     def snapshot_fence(self) -> None:

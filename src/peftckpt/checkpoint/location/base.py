@@ -171,6 +171,11 @@ class Location(ABC):
         """Take this run's lock on the location (raises ``SaveDirInUseError`` naming the holder)."""
 
     @abstractmethod
+    def check_held(self) -> None:
+        """Raise ``SaveDirInUseError`` if this process's lock on the location was taken over (a store's lease,
+        checked against the store); a directory's ``flock`` cannot be lost while the process lives."""
+
+    @abstractmethod
     def begin_save(self, iteration: int, token: str) -> SaveTarget:
         """Create the place a save of ``iteration`` writes into (``token``: unique per save, no ``.`` or ``/``)."""
 

@@ -112,6 +112,9 @@ class Directory(Location):
     def lock(self) -> Held:
         return acquire_save_lock(self.path)
 
+    def check_held(self) -> None:
+        pass  # a flock is the process's until it ends
+
     def begin_save(self, iteration: int, token: str) -> SaveTarget:
         """``<save>/.staging.iter_XXXXXXX.<token>`` (and the save directory itself if needed)."""
         if not token or "." in token or "/" in token or os.sep in token:

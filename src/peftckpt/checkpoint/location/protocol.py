@@ -21,6 +21,7 @@ The rules live here; a location only supplies the steps that differ between a di
 from __future__ import annotations
 
 import re
+import threading
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -92,7 +93,23 @@ def write_tracker(loc: Location, iteration: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ listing
+def _one_name_each(loc: Location, names: Iterable[str]) -> None:
+    """Refuse a location where two names parse to one iteration (``iter_0000100`` and ``iter_00000100``): which
+    one a load, a retention or a clean means would be a guess, so none of them acts on it."""
+    seen: dict[int, str] = {}
+    for name in names:
+        iteration = parse_iteration_dirname(name)
+        if iteration is not None and iteration in seen:
+            raise CheckpointFormatError(
+                f"{loc.text}: {seen[iteration]} and {name} both name iteration {iteration}; rename or remove one "
+                f"(the name a save writes is {iteration_dirname(iteration)})")
+        if iteration is not None:
+            seen[iteration] = name
+
+
 def _committed(loc: Location, names: Iterable[str]) -> list[int]:
+    names = list(names)
+    _one_name_each(loc, names)
     return sorted(it for n in names if (it := parse_iteration_dirname(n)) is not None and loc.holds_manifest(n))
 
 
@@ -172,22 +189,45 @@ def resolve(loc: Location) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------------------------------- cleaning
+_IN_PROGRESS: dict[str, set[str]] = {}
+"""The saves in progress in this process, by location: ``{location text: {target name, ...}}``."""
+_IN_PROGRESS_GUARD = threading.Lock()
+
+
+def claim(loc: Location, name: str) -> None:
+    """Mark ``name`` as a save in progress in this process: :func:`clean` leaves it alone (another checkpointer
+    of this process may be saving into the same location; the run lock, shared by the process, allows that)."""
+    with _IN_PROGRESS_GUARD:
+        _IN_PROGRESS.setdefault(loc.text, set()).add(name)
+
+
+def unclaim(loc: Location, name: str) -> None:
+    """The save ``name`` is committed or abandoned (idempotent)."""
+    with _IN_PROGRESS_GUARD:
+        _IN_PROGRESS.get(loc.text, set()).discard(name)
+
+
 def clean(loc: Location, keep: str | None = None) -> tuple[list[str], list[str]]:
     """Finish or remove what interrupted saves left; returns ``(restored, removed)`` names.
 
     Steps:
         1. A complete stand-in for an ``iter_*`` that is no longer committed (a re-save stopped between
            uncommitting the old copy and committing the new one) is put back under that name.
-        2. Every other staging or trash name, except ``keep`` (the save in progress, if any), is deleted; on a
-           location that writes fresh iterations in place, so is every ``iter_*`` without its manifest.
+        2. Every other staging or trash name, except ``keep`` and the saves in progress in this process
+           (:func:`claim`), is deleted; on a location that writes fresh iterations in place, so is every
+           ``iter_*`` without its manifest.
 
     Call it from the committing rank holding the run lock, before any rank writes.
     """
-    restored = [final for final, copies in sorted(_stand_ins(loc, loc.names()).items())  # 1.
+    names = loc.names()
+    _one_name_each(loc, names)
+    restored = [final for final, copies in sorted(_stand_ins(loc, names).items())  # 1.
                 if not loc.holds_manifest(final) and loc.restore(copies[-1], final)]
     removed = []
+    with _IN_PROGRESS_GUARD:
+        in_progress = set(_IN_PROGRESS.get(loc.text, ()))
     for name in loc.names():  # 2.
-        if name == keep:
+        if name == keep or name in in_progress:
             continue
         if is_leftover_name(name) or (loc.WRITES_IN_PLACE and parse_iteration_dirname(name) is not None
                                       and not loc.holds_manifest(name)):

@@ -155,6 +155,10 @@ class StorePrefix(Location):
     def lock(self) -> Held:
         return acquire_remote_lock(self.store, acquire_save_lock(self.spool))
 
+    def check_held(self) -> None:
+        with self._failing(".peftckpt.lock", "the run lock"):
+            check_lease(self.store.url)
+
     def begin_save(self, iteration: int, token: str) -> SaveTarget:
         """Upload into ``iter_N`` itself when it is not committed, else into a staging prefix; stage locally in
         the spool (whose leftovers, from this host's interrupted saves, go first)."""
@@ -193,7 +197,7 @@ class StorePrefix(Location):
             3. For a re-save (``target`` is a staging prefix): promote it (:meth:`restore`).
             4. Empty this save's spool.
         """
-        check_lease(self.store.url)  # 1.
+        self.check_held()  # 1.
         final = iteration_dirname(target.iteration)
         self.write_atomic(f"{target.name}/{MANIFEST_FILENAME}", manifest_bytes)  # 2.
         on_step("manifest_written")

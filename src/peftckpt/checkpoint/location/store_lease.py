@@ -54,6 +54,8 @@ class _Lease:
     lost: str | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    guard: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the lease object is rewritten or checked, so a check never sees a renewal half done."""
 
 
 _HELD: dict[str, _Lease] = {}
@@ -92,10 +94,21 @@ def _seen(store: ObjectStore) -> tuple[str, str] | None:
 
 
 def check_lease(url: str) -> None:
-    """Raise :class:`SaveDirInUseError` if this process held the lease of ``url`` and another run took it over
-    (a commit checks it before writing its manifest); nothing when no lease is held here."""
+    """Raise :class:`SaveDirInUseError` if this process held the lease of ``url`` and no longer does: checked
+    against the store itself (the lock object still carries this run's last ETag), not only against what the
+    renewal thread saw -- a run stopped for longer than its lease (SIGSTOP, a suspended VM) learns it at once,
+    before it writes a manifest or cleans anything. Nothing when no lease is held here."""
     lease = _HELD.get(url)
-    if lease is not None and lease.lost is not None:
+    if lease is None:
+        return
+    with lease.guard:
+        if lease.lost is None:
+            seen = _seen(lease.store)
+            if seen is None or seen[0] != lease.etag:
+                lease.lost = (f"save location {lease.store.url} was taken over by another run "
+                              f"({seen[1] if seen else 'its lock object is gone'}) while this one held it; nothing "
+                              "more is committed by this run")
+    if lease.lost is not None:
         raise SaveDirInUseError(lease.lost)
 
 
@@ -149,16 +162,19 @@ def _renew(lease: _Lease) -> None:
     period = lease_seconds() / 4
     while not lease.stop.wait(period):
         lease.sequence += 1
-        try:
-            lease.etag = _put(lease.store, _body(lease.holder, lease.sequence), IfMatch=lease.etag)
-        except Exception as e:  # noqa: BLE001
-            if _precondition_failed(e):
-                seen = _seen(lease.store)
-                lease.lost = (f"save location {lease.store.url} was taken over by another run "
-                              f"({seen[1] if seen else 'gone'}) while this one held it; nothing more is committed "
-                              "by this run")
+        with lease.guard:
+            if lease.lost is not None:
                 return
-            # A transient store error: retried at the next period (the lease is long enough for a few).
+            try:
+                lease.etag = _put(lease.store, _body(lease.holder, lease.sequence), IfMatch=lease.etag)
+            except Exception as e:  # noqa: BLE001
+                if _precondition_failed(e):
+                    seen = _seen(lease.store)
+                    lease.lost = (f"save location {lease.store.url} was taken over by another run "
+                                  f"({seen[1] if seen else 'gone'}) while this one held it; nothing more is "
+                                  "committed by this run")
+                    return
+                # A transient store error: retried at the next period (the lease is long enough for a few).
 
 
 def acquire_remote_lock(store: ObjectStore, local: SaveDirLock | None = None) -> RemoteLock:
