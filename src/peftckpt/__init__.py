@@ -4,9 +4,30 @@ The library's public names are importable from here (``from peftckpt import Chec
 loaded on first use, so ``import peftckpt`` (and the command line's ``--help``) does not import torch.
 """
 
+# ruff: noqa: F401 -- the TYPE_CHECKING imports re-export the lazy names to type checkers
+
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .checkpoint.api import Checkpointer, LoadOptions, LoadResult, PendingSave, SaveOptions
+    from .checkpoint.checks.strictness import KeyReport, StrictHandling
+    from .checkpoint.errors import (
+        CheckpointError,
+        CheckpointFormatError,
+        CheckpointIntegrityError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        StrictnessError,
+        UnsafeCheckpointError,
+    )
+    from .checkpoint.location.dir_lock import SaveDirInUseError
+    from .checkpoint.storage.manifest import Manifest, read_manifest
+    from .checkpoint.tools.verify import VerifyReport, verify_checkpoint
+    from .sharding.layout import FusedChunks, declare_fused
 
 __version__ = "0.1.0"
 

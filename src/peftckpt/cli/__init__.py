@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def _usage() -> str:
     width = max(len(c) for c in COMMANDS)
     lines = [f"  {c:<{width}}  {desc}" for c, (_, _, desc) in COMMANDS.items()]
-    return ("usage: peftckpt <command> [options]\n\ncommands:\n" + "\n".join(lines)
+    return ("usage: peftckpt <command> [options]   (peftckpt --version)\n\ncommands:\n" + "\n".join(lines)
             + "\n\n`peftckpt <command> --help` for the options of a command.")
 
 
@@ -41,6 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from .. import __version__
+
+        print(f"peftckpt {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"peftckpt: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
