@@ -28,6 +28,9 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
 CASES = [
     ("flag", lambda a: ["--mock-data", "--exit-signal-handler"],
      "--exit-signal-handler needs --save", 2),
+    ("typo", lambda a: ["--mock-data", "--lora-rnak", "4"],
+     "peftckpt train: error: unrecognized arguments: --lora-rnak (did you mean --lora-rank?) 4\n"
+     "(`peftckpt train --help` lists every option)", 2),
     ("file", lambda a: ["--mock-data", "--pretrained-checkpoint", str(a.parent / "no-such-base")],
      "--pretrained-checkpoint {dir}/no-such-base does not exist", 2),
     ("data", lambda a: ["--data-path", str(a.parent / "no-such.jsonl")],

@@ -212,3 +212,19 @@ print(json.dumps(texts))
     train = _option_blocks(texts["train"])
     assert "(default: 4)" in train["--num-layers"] and "(default: off)" in train["--bf16"]
     assert "(default: torch_dist)" in train["--ckpt-format"] and "(default: none)" in train["--save"]
+
+
+def test_a_usage_error_comes_first_with_the_closest_flag(capsys) -> None:  # type: ignore[no-untyped-def]
+    """The error line first (not after a page of synopsis), the closest known flag for a typo, and the usage
+    only where it is short."""
+    from peftckpt.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--mock-data", "--lora-rnak", "4", "--hiden-size=64"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("peftckpt train: error: unrecognized arguments: --lora-rnak (did you mean --lora-rank?) 4 "
+                   "--hiden-size=64 (did you mean --hidden-size?)\n(`peftckpt train --help` lists every option)\n")
+    assert main(["verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("peftckpt verify: error: the following arguments are required: DIR\nusage: peftckpt verify")

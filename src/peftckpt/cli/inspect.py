@@ -9,7 +9,7 @@ import sys
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.location.names import MANIFEST_FILENAME, TRACKER_FILENAME
-from .parsing import HelpFormatter, parse_or_exit_code, print_error
+from .parsing import FlagParser, HelpFormatter, parse_or_exit_code, print_error
 
 __all__ = ["inspect_main"]
 
@@ -37,7 +37,7 @@ class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="peftckpt inspect",
         description="Report on a checkpoint offline: commit state, format, iteration, layout, sections, "
                     "keys (global shapes, dtypes, bytes, trainable) and sizes.",

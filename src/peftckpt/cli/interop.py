@@ -13,7 +13,7 @@ from typing import Any
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.location.urls import local_only_problem, url_problem
-from .parsing import HelpFormatter, print_error
+from .parsing import FlagParser, HelpFormatter, print_error
 
 __all__ = ["import_hf_main", "export_hf_main", "export_peft_main", "import_peft_main"]
 
@@ -57,7 +57,7 @@ def _parser(command: str, description: str, source: str, source_help: str | None
             checksums: bool = True) -> argparse.ArgumentParser:
     """A tool's parser with its two positionals (what it reads, the new directory it writes) and, for tools
     that read a checkpoint, ``--no-verify-checksums``."""
-    p = argparse.ArgumentParser(prog=f"peftckpt {command}", description=description, formatter_class=HelpFormatter)
+    p = FlagParser(prog=f"peftckpt {command}", description=description, formatter_class=HelpFormatter)
     p.add_argument(source.lower(), metavar=source, type=checkpoint_location if source == "CKPT" else local_path,
                    help=source_help)
     if source in ("HF_DIR", "PEFT_DIR"):  # an import writes a checkpoint: local, or on an object store

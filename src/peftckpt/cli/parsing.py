@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import os
 import sys
 import time
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
-__all__ = ["parse_or_exit_code", "print_error", "HelpFormatter", "DEBUG_ENV"]
+__all__ = ["parse_or_exit_code", "print_error", "HelpFormatter", "FlagParser", "say_once", "DEBUG_ENV"]
 
 DEBUG_ENV = "PEFTCKPT_DEBUG"
 """Set (to anything but empty or ``0``) to print the traceback under an expected error's one-line message."""
@@ -48,6 +50,35 @@ class HelpFormatter(argparse.HelpFormatter):
         else:
             said = str(action.default)
         return f"{text.strip()} (default: {said})".lstrip()
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse, with a usage error said first and alone: ``<prog>: error: <message>`` (an unknown flag with the
+    closest known ones), then the usage when it is a line or three, else where to find it -- never a page of
+    synopsis before the one line that matters; said once under torchrun (rank 0), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        usage = self.format_usage().strip()
+        hint = usage if usage.count("\n") < 3 else f"(`{self.prog} --help` lists every option)"
+        say_once(self.prog, _Said(self._with_suggestions(message) + "\n" + hint),
+                 int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+        sys.exit(2)
+
+    def _with_suggestions(self, message: str) -> str:
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return message
+        known = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        said = []
+        for token in message[len(prefix):].split():
+            flag = token.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6) if flag.startswith("-") else []
+            said.append(f"{token} (did you mean {close[0]}?)" if close else token)
+        return f"unrecognized arguments: {' '.join(said)}"
+
+
+class _Said(Exception):
+    """A message to print as it is."""
 
 
 def say_once(prog: str, exc: BaseException, rank: int, world_size: int) -> None:

@@ -8,13 +8,13 @@ import sys
 
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.location.urls import url_problem
-from .parsing import HelpFormatter, parse_or_exit_code
+from .parsing import FlagParser, HelpFormatter, parse_or_exit_code
 
 __all__ = ["verify_main"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="peftckpt verify",
         description="Check a checkpoint offline: manifest, file sizes and checksums, DCP metadata.",
         formatter_class=HelpFormatter,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.storage.manifest import Manifest
-from ..cli.parsing import HelpFormatter
+from ..cli.parsing import FlagParser, HelpFormatter
 from ..model.config import (
     ALL_LORA_TARGETS,
     HF_LORA_TARGETS,
@@ -125,7 +125,7 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(prog: str = "peftckpt train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a GPT (optionally with LoRA) with TP x PP x DP.",
+    p = FlagParser(prog=prog, description="Train a GPT (optionally with LoRA) with TP x PP x DP.",
                                 formatter_class=HelpFormatter)
     for add in (_add_model, _add_lora, _add_parallel, _add_training, _add_data, _add_logging):
         add(p)
