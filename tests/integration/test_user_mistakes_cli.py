@@ -20,6 +20,7 @@ LORA = ["--lora-rank", "4", "--save-trainable-params-only"]
 def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save = tmp_path_factory.mktemp("mistakes") / "adapter"
     peftckpt(["train", *TINY, *LORA, "--train-iters", "1", "--save", str(save)])
+    peftckpt(["train", *TINY, "--train-iters", "1", "--save", str(save.parent / "base")])  # no LoRA: a base
     return save
 
 
@@ -37,6 +38,9 @@ CASES = [
      "{dir}/no-such.jsonl", 2),
     ("adapter", lambda a: ["--mock-data", "--lora-rank", "8", "--lora-alpha", "8", "--load", str(a)],
      "was saved with a different adapter configuration:\n  rank (--lora-rank): checkpoint 4, model 8\nfix those", 1),
+    ("base as --load", lambda a: ["--mock-data", "--lora-rank", "4", "--load", str(a.parent / "base")],
+     "--load {dir}/base is a checkpoint without adapters (a base, or a run without LoRA; iteration 1): a LoRA run "
+     "resumed from it would restart at its iteration", 1),
     ("architecture", lambda a: ["--mock-data", "--lora-rank", "4", "--hidden-size", "64", "--load", str(a)],
      "was saved for a different architecture:\n  hidden_size: checkpoint 32, model 64\n", 1),
 ] + ([] if torch.cuda.is_available() else [  # the later --device wins over TINY's

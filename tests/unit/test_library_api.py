@@ -308,3 +308,21 @@ def test_trainable_only_with_nothing_trainable_says_so(tmp_path: Path) -> None:
         Checkpointer(model).save(tmp_path, 1, options=SaveOptions(trainable_only=True))
     saved = json.loads((tmp_path / "iter_0000001" / "metadata.json").read_text())["saved_keys"]
     assert sorted(saved) == ["model.norm.num_batches_tracked", "model.norm.running_mean", "model.norm.running_var"]
+
+
+def test_a_trainable_only_checkpoint_that_left_nothing_out_serves_as_a_base(tmp_path: Path) -> None:
+    """Saved with trainable_only but with nothing frozen, a checkpoint holds every weight: it is a base like a
+    full one (it was refused with "it holds no base weights"); one that left frozen weights out still is refused."""
+    from peftckpt.checkpoint.errors import CheckpointFormatError
+
+    model, _, _ = _setup(0)
+    model.requires_grad_(True)  # nothing frozen
+    Checkpointer(model).save(tmp_path / "all", 1, options=SaveOptions(trainable_only=True))
+    fresh, _, _ = _setup(5)
+    assert not torch.equal(next(fresh.parameters()), next(model.parameters()))
+    Checkpointer(fresh).load_pretrained(tmp_path / "all")
+    for (k, v), w in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(v, w), k
+    Checkpointer(_setup(0)[0]).save(tmp_path / "adapter", 1, options=SaveOptions(trainable_only=True))  # base frozen
+    with pytest.raises(CheckpointFormatError, match="is an adapter-only checkpoint .* holds no base weights"):
+        Checkpointer(_setup(5)[0]).load_pretrained(tmp_path / "adapter")

@@ -316,7 +316,7 @@ class Loads:
     def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions) -> LoadResult:
         """:meth:`load_pretrained` of a local checkpoint."""
         ckpt, _, manifest, verification = self._resolve(path, options)
-        if manifest.trainable_only:
+        if not manifest.holds_every_weight:
             raise CheckpointFormatError(
                 f"load_pretrained: {ckpt} is an adapter-only checkpoint (saved with "
                 "SaveOptions(trainable_only=True)); it holds no base weights. Load it with Checkpointer.load instead")

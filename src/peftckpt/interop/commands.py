@@ -108,7 +108,7 @@ def _open_base(path: str | os.PathLike[str], verify_checksums: bool) -> HFModelD
     if is_hf_dir(path):
         return HFModelDir(path)
     base = open_checkpoint(path, verify_checksums, what="--base")
-    if base.manifest.trainable_only:
+    if not base.manifest.holds_every_weight:
         raise InteropError(f"--base {base.where} is an adapter-only checkpoint; pass the full base "
                            "(an HF directory, or a checkpoint made by import-hf)")
     return base
@@ -231,7 +231,7 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
     cfg = GPTConfig.from_dict(ckpt.manifest.model_config)
     hf_config = config_to_hf(cfg, dtype)
     sources: dict[str, HFModelDir | OfflineCheckpoint] = dict.fromkeys(ckpt.model_shapes(), ckpt)
-    if ckpt.manifest.trainable_only:
+    if not ckpt.manifest.holds_every_weight:
         base_src = _open_base(_base_path(ckpt, base), verify_checksums)
         if verify_base and ckpt.manifest.base_fingerprint:
             frozen = [k.removeprefix("model.") for k in ckpt.manifest.excluded_keys]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -13,8 +14,13 @@ from torch import nn
 
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from ..checkpoint.checks.strictness import StrictHandling
-from ..checkpoint.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
-from ..checkpoint.location.locate import locate, tracker_at
+from ..checkpoint.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
+from ..checkpoint.location.locate import locate, manifest_at, tracker_at
 from ..checkpoint.location.names import iteration_dirname
 from ..checkpoint.state.sections import DATA, ITERATION, MODEL, OPT_PARAM_SCHEDULER
 from ..model.config import GPTConfig, LoRAConfig
@@ -99,6 +105,28 @@ class TrainerCheckpointing:
                            verify_checksums=not a.no_verify_checksums, verify_base=not a.no_verify_base,
                            objects=() if model_only else (ITERATION, OPT_PARAM_SCHEDULER, DATA))
 
+    def _refuse_a_base_as_load(self) -> None:
+        """A LoRA run given a checkpoint without adapters as ``--load`` (the base, or a run without LoRA) would
+        "resume" at that checkpoint's iteration, schedule and data position with fresh adapters: refused on every
+        rank, naming ``--pretrained-checkpoint`` (``--finetune`` takes only its weights, and is left alone)."""
+        a = self.args
+        if self.trainer.lora is None or a.finetune:
+            return
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                manifest = manifest_at(a.load)
+        except CheckpointError:
+            return  # the load itself says what is wrong with it
+        if manifest.adapter_config is None and not manifest.trainable_only:
+            refused = CheckpointMismatchError(
+                f"--load {a.load} is a checkpoint without adapters (a base, or a run without LoRA; iteration "
+                f"{manifest.iteration}): a LoRA run resumed from it would restart at its iteration, learning-rate "
+                f"schedule and data position. Pass it as --pretrained-checkpoint {a.load}, and give --load the "
+                "LoRA run's own --save (or --finetune to start from its weights at iteration 0)")
+            refused.every_rank = True
+            raise refused
+
     def restore(self) -> None:
         """``--pretrained-checkpoint`` (model only), then ``--load`` (everything the flags allow)."""
         a, t = self.args, self.trainer
@@ -112,6 +140,7 @@ class TrainerCheckpointing:
                               f"{self.ckpt.base_fingerprint_wait_s:.2f} s after the last read")
         if not a.load:
             return
+        self._refuse_a_base_as_load()
         try:
             res = self.ckpt.load(a.load, self._load_options(), model_only=a.finetune)
         except CheckpointNotFoundError as e:

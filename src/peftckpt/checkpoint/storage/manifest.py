@@ -97,6 +97,12 @@ class Manifest:
         return (json.dumps(body, sort_keys=True, indent=2, allow_nan=False) + "\n").encode()
 
     @property
+    def holds_every_weight(self) -> bool:
+        """Every model tensor is stored: a full checkpoint, or a trainable-only one that left nothing out (a run
+        with nothing frozen). Such a checkpoint serves as a base, whatever option saved it."""
+        return not self.trainable_only or not self.excluded_keys
+
+    @property
     def total_bytes(self) -> int:
         """Sum of the recorded file sizes."""
         return sum(int(rec["size"]) for rec in self.files.values())
