@@ -244,26 +244,29 @@ def test_two_names_for_one_iteration_are_refused_and_nothing_is_deleted(where: s
     assert [n for n in loc.names() if n != ".peftckpt.lock"] == [n for n in before if n != ".peftckpt.lock"]
 
 
-@pytest.mark.parametrize("where", ["directory"], indirect=True)
 def test_two_checkpointers_of_one_process_keep_each_others_saves(where: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The run lock is shared within a process, so a second checkpointer saving into the same location must not
-    clean away the first one's save in flight."""
-    from peftckpt.checkpoint.storage import formats
+    clean away the first one's save in flight: its written files (in the directory's staging, or in a store's
+    node-local spool before the upload)."""
+    from peftckpt.checkpoint import save as save_module
 
-    release = threading.Event()
-    copy = formats.host_copy
+    written, go_on = threading.Event(), threading.Event()
+    hand_over = save_module.hand_over_files
 
-    def held(*args: object, **kwargs: object) -> object:
-        assert release.wait(60)
-        return copy(*args, **kwargs)  # type: ignore[arg-type]
+    def held(*args: object) -> object:  # the first save's thread: its files written, not yet handed over
+        written.set()
+        assert go_on.wait(60)
+        return hand_over(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(formats, "host_copy", held)
+    monkeypatch.setattr(save_module, "hand_over_files", held)
     first, _ = small_checkpointer()
     second, _ = small_checkpointer(seed=1)
-    handle = first.async_save(where, 1, options=SaveOptions(defer_snapshot=True))
-    second.save(where, 2)  # its clean runs while the first save is in flight
-    release.set()
+    handle = first.async_save(where, 1)
+    assert written.wait(60)
+    monkeypatch.setattr(save_module, "hand_over_files", hand_over)
+    second.save(where, 2)  # its clean (and on a store its spool's cleanup) runs while the first is in flight
+    go_on.set()
     assert str(handle.result()).endswith("iter_0000001")
     first.close()
     second.close()

@@ -119,6 +119,7 @@ def commit_checkpoint(comm: Collectives, c: PendingCommit) -> None:
         _commit(comm, c)
     finally:
         protocol.unclaim(c.location, c.target.name)
+        protocol.unclaim(c.location, c.target.local.name)
 
 
 def _commit(comm: Collectives, c: PendingCommit) -> None:

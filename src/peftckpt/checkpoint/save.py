@@ -126,6 +126,7 @@ class Saves:
             error = unwrap_dcp_error(e)
             self.pending = None
             protocol.unclaim(location, commit.target.name)
+            protocol.unclaim(location, commit.target.local.name)
         try:
             self.comm.agree(error, f"saving iteration {iteration} to {location.text} failed")
         finally:
@@ -217,6 +218,7 @@ class Saves:
                 protocol.clean(location)
                 target = location.begin_save(iteration, secrets.token_hex(6))
                 protocol.claim(location, target.name)
+                protocol.claim(location, target.local.name)  # on a store, its node-local spool too
             except (CheckpointError, OSError) as e:
                 error = e
         self.comm.agree(error, f"saving iteration {iteration} to {location.text} failed")
@@ -275,6 +277,7 @@ class Saves:
         except BaseException as e:
             pending.error = e
             protocol.unclaim(pending.location, pending.target.name)
+            protocol.unclaim(pending.location, pending.target.local.name)
             raise
 
     def snapshot_fence(self) -> None:

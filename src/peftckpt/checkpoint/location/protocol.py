@@ -39,8 +39,8 @@ from .names import (
     stand_in_target,
 )
 
-__all__ = ["read_tracker", "parse_tracker", "write_tracker", "list_committed", "resolve", "clean", "commit",
-           "apply_retention"]
+__all__ = ["read_tracker", "parse_tracker", "write_tracker", "list_committed", "resolve", "claim", "unclaim",
+           "in_progress", "clean", "commit", "apply_retention"]
 
 _TRACKER_RE = re.compile(rb"[ \t\r\n]*([0-9]{1,30})[ \t\r\n]*")
 _TRACKER_MAX_BYTES = 64
@@ -207,6 +207,12 @@ def unclaim(loc: Location, name: str) -> None:
         _IN_PROGRESS.get(loc.text, set()).discard(name)
 
 
+def in_progress(loc: Location) -> set[str]:
+    """The names :func:`claim` marked in ``loc`` and not yet released."""
+    with _IN_PROGRESS_GUARD:
+        return set(_IN_PROGRESS.get(loc.text, ()))
+
+
 def clean(loc: Location, keep: str | None = None) -> tuple[list[str], list[str]]:
     """Finish or remove what interrupted saves left; returns ``(restored, removed)`` names.
 
@@ -224,10 +230,9 @@ def clean(loc: Location, keep: str | None = None) -> tuple[list[str], list[str]]
     restored = [final for final, copies in sorted(_stand_ins(loc, names).items())  # 1.
                 if not loc.holds_manifest(final) and loc.restore(copies[-1], final)]
     removed = []
-    with _IN_PROGRESS_GUARD:
-        in_progress = set(_IN_PROGRESS.get(loc.text, ()))
+    busy = in_progress(loc)
     for name in loc.names():  # 2.
-        if name == keep or name in in_progress:
+        if name == keep or name in busy:
             continue
         if is_leftover_name(name) or (loc.WRITES_IN_PLACE and parse_iteration_dirname(name) is not None
                                       and not loc.holds_manifest(name)):

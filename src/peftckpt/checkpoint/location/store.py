@@ -161,11 +161,14 @@ class StorePrefix(Location):
 
     def begin_save(self, iteration: int, token: str) -> SaveTarget:
         """Upload into ``iter_N`` itself when it is not committed, else into a staging prefix; stage locally in
-        the spool (whose leftovers, from this host's interrupted saves, go first)."""
+        the spool (whose leftovers, from this host's interrupted saves, go first; a save in progress in this
+        process, :func:`~.protocol.claim`, stays)."""
         final = iteration_dirname(iteration)
         name = f"{STAGING_PREFIX}{final}.{token}" if self.holds_manifest(final) else final
+        busy = protocol.in_progress(self)  # another checkpointer of this process, saving here
         for leftover in self.spool.glob(f"{STAGING_PREFIX}*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            if leftover.name not in busy:
+                shutil.rmtree(leftover, ignore_errors=True)
         local = self.spool / f"{STAGING_PREFIX}{final}.{token}"
         local.mkdir(parents=True, exist_ok=True)
         return SaveTarget(iteration, name, local)
