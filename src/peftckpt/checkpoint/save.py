@@ -125,10 +125,12 @@ class Saves:
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = unwrap_dcp_error(e)
             self.pending = None
-            protocol.unclaim(location, commit.target.name)
-            protocol.unclaim(location, commit.target.local.name)
         try:
             self.comm.agree(error, f"saving iteration {iteration} to {location.text} failed")
+        except BaseException:  # this rank's write, or another's, failed: the save is abandoned
+            protocol.unclaim(location, commit.target.name)
+            protocol.unclaim(location, commit.target.local.name)
+            raise
         finally:
             if commit.written.release is not None:
                 commit.written.release.set()  # the background write may start
