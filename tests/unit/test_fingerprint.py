@@ -1,5 +1,5 @@
-"""The base-model fingerprint: bit-exact, layout independent, and (versions 2 and 3) independent of the dtype
-a base is held in wherever its values are the same (single process). Versions 1 and 2 are still computed
+"""The base-model fingerprint: bit-exact, layout independent, and (versions 2-4) independent of the dtype
+a base is held in wherever its values are the same (single process). Versions 1-3 are still computed
 to check the checkpoints that recorded them, so their values must never change."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from peftckpt.checkpoint.state import fingerprint as fingerprint_module
 from peftckpt.checkpoint.state.fingerprint import Fingerprinting, base_fingerprint
 from peftckpt.sharding.entries import GlobalTensor, Piece, global_tensor_of
 
-VERSION = 3
+VERSION = 4
 
 
 def _fp(entries: dict[str, GlobalTensor]) -> str:
     return base_fingerprint(entries, distributed=False, version=VERSION)
 
 
-@pytest.fixture(params=[2, 3], autouse=True)
+@pytest.fixture(params=[2, 3, 4], autouse=True)
 def version(request: pytest.FixtureRequest) -> int:
-    """Every test runs with the current version and with version 2 (which old checkpoints recorded)."""
+    """Every test runs with the current version and with versions 2 and 3 (which old checkpoints recorded)."""
     global VERSION
     VERSION = request.param
     return request.param
@@ -179,12 +179,14 @@ def _old_entries() -> dict[str, GlobalTensor]:
 
 
 def test_old_versions_keep_their_values() -> None:
-    """The values the version 1 and 2 code computed before version 3 existed (release of 2026-12-03): a
-    checkpoint that recorded one must still verify."""
+    """The values the version 1 and 2 code computed before version 3 existed (release of 2026-12-03), and
+    version 3's before version 4 (2026-12-05): a checkpoint that recorded one must still verify."""
     assert base_fingerprint(_old_entries(), False, 1) == \
         "sha256:968618d606d190c3954f7deeb10e43b3a5426742787ad1d18a43835848fee0a9"
     assert base_fingerprint(_old_entries(), False, 2) == \
         "v2:sha256:70a6e9ac089ef89b70cc1cd3c8ad4f30c427b814df4290299b29e98a56e28701"
+    assert base_fingerprint(_old_entries(), False, 3) == \
+        "v3:sha256:ff7a4ed65ad660a3d679c405dffbb9f2bcd2ed797b8e07c2579546eee7ecd987"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])
@@ -209,10 +211,60 @@ def test_v3_long_and_unaligned_runs(dtype: torch.dtype, monkeypatch: pytest.Monk
     assert _fp({"w": _whole(changed)}) != whole
 
 
-def test_v3_fp16_and_bf16_values_held_in_fp32() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])
+def test_v4_chunk_edges_and_long_runs(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 4 sums whole 64-element chunks as one matrix product and partial chunks at a piece's edges
+    apart: pieces starting and ending anywhere in a chunk, rows of different phases (a row length 64 does
+    not divide), TP-like column shards of an aligned row (11008 / 8 = 1376 is not a multiple of 64), one long
+    run cut into segments -- every split equals the whole tensor, and one changed element changes it."""
+    monkeypatch.setattr(fingerprint_module, "_SEGMENT", 1 << 10)  # long runs at a small size
+    t = (torch.randn(40, 37, generator=torch.Generator().manual_seed(5)) * 100).to(dtype)
+    whole = _fp({"w": _whole(t)})
+    assert _fp({"w": _rows(t, [0, 1, 13, 40])}) == whole
+    cols = GlobalTensor(t.shape, t.dtype, [Piece((0, 0), t[:, :10]), Piece((0, 10), t[:, 10:])])
+    assert _fp({"w": cols}) == whole
+    grid = [Piece((a, b), t[a:a + 20, b:b + 19]) for a in (0, 20) for b in (0, 19)]
+    assert _fp({"w": GlobalTensor(t.shape, t.dtype, grid)}) == whole
+    flat = t.reshape(-1)
+    assert _fp({"f": _rows(flat, [0, 100, 1000, flat.numel()])}) == _fp({"f": _whole(flat)})
+    wide = (torch.randn(3, 11008, generator=torch.Generator().manual_seed(6)) * 100).to(dtype)
+    shards = [Piece((0, r * 1376), wide[:, r * 1376:(r + 1) * 1376]) for r in range(8)]
+    assert _fp({"w": GlobalTensor(wide.shape, wide.dtype, shards)}) == _fp({"w": _whole(wide)})
+    for index in [(39, 36), (0, 0), (17, 5)]:
+        changed = t.clone()
+        changed[index] += 1
+        assert _fp({"w": _whole(changed)}) != whole, index
+
+
+def test_v4_without_int_mm_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``torch._int_mm`` is missing (or fails), the float32 product gives the same, exact, sums."""
+    t = torch.randn(130, 200, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    entries = {"w": _rows(t, [0, 7, 130]), "b": _whole(torch.randn(77))}
+    fast = base_fingerprint(entries, False, 4)
+    monkeypatch.setattr(fingerprint_module, "_INT_MM", [False])
+    assert base_fingerprint(entries, False, 4) == fast
+
+
+def test_v4_swapped_bytes_within_a_chunk() -> None:
+    """The 128 weights of a bf16 chunk are all different: two elements of a chunk swapped, or a bf16's
+    two bytes swapped, change the fingerprint."""
+    t = torch.randn(64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    base = base_fingerprint({"w": _whole(t)}, False, 4)
+    for i, j in [(0, 1), (3, 60), (31, 32)]:
+        swapped = t.clone()
+        swapped[i], swapped[j] = t[j], t[i]
+        assert base_fingerprint({"w": _whole(swapped)}, False, 4) != base, (i, j)
+    byteswapped = t.view(torch.int16).clone()
+    byteswapped[5] = int.from_bytes(int(byteswapped[5]).to_bytes(2, "little", signed=True), "big", signed=True)
+    assert base_fingerprint({"w": _whole(byteswapped.view(torch.bfloat16))}, False, 4) != base
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_fp16_and_bf16_values_held_in_fp32(version: int) -> None:
     for narrow in (torch.float16, torch.bfloat16):
         t = torch.randn(9, 33, generator=torch.Generator().manual_seed(2)).to(narrow)
-        assert base_fingerprint({"w": _whole(t)}, False, 3) == base_fingerprint({"w": _whole(t.float())}, False, 3)
+        assert base_fingerprint({"w": _whole(t)}, False, version) == \
+            base_fingerprint({"w": _whole(t.float())}, False, version)
 
 
 def test_pieces_added_as_they_are_read_equal_the_whole(weight: torch.Tensor) -> None:

@@ -166,7 +166,7 @@ def test_adapter_only_checkpoint_and_save_dir_listing(saves: dict[str, Path], tm
 
     ckpt = report.checkpoint
     assert ckpt is not None and ckpt.trainable_only is True and ckpt.iteration == 3
-    assert ckpt.base_fingerprint is not None and ckpt.base_fingerprint.startswith("v3:sha256:")
+    assert ckpt.base_fingerprint is not None and ckpt.base_fingerprint.startswith("v4:sha256:")
     base = ckpt.keys["model.base.weight"]
     assert (base.shape, base.nbytes, base.trainable, base.saved, base.stored_bytes) == (
         [W, W], W * W * F32, False, False, None)

@@ -140,7 +140,7 @@ def test_a_trainable_only_checkpoint_without_buffers_still_loads(tmp_path: Path,
     _train(model, opt, sched, 2, seed=1)
     with monkeypatch.context() as m:
         m.setattr(builder, "filter_trainable", old_filter)
-        m.setattr(api.Checkpointer, "fingerprint", lambda self, keys=None, version=3: "v3:sha256:" + "0" * 64)
+        m.setattr(api.Checkpointer, "fingerprint", lambda self, keys=None, version=4: "v4:sha256:" + "0" * 64)
         Checkpointer(model, opt).save(tmp_path, 2, options=SaveOptions(trainable_only=True))
     excluded = json.loads((tmp_path / "iter_0000002" / "metadata.json").read_text())["excluded_keys"]
     assert "model.norm.running_mean" in excluded

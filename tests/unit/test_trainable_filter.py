@@ -210,7 +210,7 @@ def test_trainable_only_save_writes_only_trainable_keys(tmp_path: Path, as_bytes
     frozen = {f"model.{k}": v for k, v in model_entries(block).items()
               if isinstance(v, GlobalTensor) and not v.requires_grad}
     assert sorted(frozen) == FROZEN
-    assert re.fullmatch(r"v3:sha256:[0-9a-f]{64}", manifest["base_fingerprint"])
+    assert re.fullmatch(r"v4:sha256:[0-9a-f]{64}", manifest["base_fingerprint"])
     assert manifest["base_fingerprint"] == base_fingerprint(frozen, distributed=False)
 
     full = _save(tmp_path / "full", block, opt, trainable_only=False)
@@ -397,10 +397,10 @@ def test_full_load_restores_extra_state(tmp_path: Path) -> None:
     assert target.linear_qkv.restored == [{"amax_history": [1.0, 2.0], "scale": 0.5}]
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_an_old_fingerprint_is_checked_with_its_own_formula(tmp_path: Path, version: int) -> None:
-    """Checkpoints written before fingerprint version 3 recorded ``sha256:...`` (version 1) or
-    ``v2:sha256:...``: they still load onto their base, and still refuse another base."""
+    """Checkpoints written before fingerprint version 4 recorded ``sha256:...`` (version 1), ``v2:sha256:...``
+    or ``v3:sha256:...``: they still load onto their base, and still refuse another base."""
     from peftckpt.checkpoint.storage.checksums import checksum_files
 
     block, opt = _trained()
@@ -408,8 +408,8 @@ def test_an_old_fingerprint_is_checked_with_its_own_formula(tmp_path: Path, vers
     manifest_path = next(tmp_path.glob("iter_*/metadata.json"))
     manifest = json.loads(manifest_path.read_text())
     v1 = Checkpointer([block], opt, **KW).fingerprint(version=version)
-    assert v1.startswith({1: "sha256:", 2: "v2:sha256:"}[version])
-    assert manifest["base_fingerprint"].startswith("v3:sha256:")
+    assert v1.startswith({1: "sha256:", 2: "v2:sha256:", 3: "v3:sha256:"}[version])
+    assert manifest["base_fingerprint"].startswith("v4:sha256:")
     manifest.pop("manifest_sha256")
     manifest["base_fingerprint"] = v1
     manifest["files"].update(checksum_files([], manifest_path.parent))
