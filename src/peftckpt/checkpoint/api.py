@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..sharding.entries import GlobalTensor
+from .gc_pause import gc_paused
 from .load import Loads
 from .options import LoadOptions, LoadResult, SaveOptions
 from .rank_parts import RankParts
@@ -88,6 +89,7 @@ class Checkpointer:
         return self._loads.base_fingerprint_wait_s
 
     # -------------------------------------------------------------------------------------- save
+    @gc_paused
     def save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
              options: SaveOptions | None = None, args: Mapping[str, Any] | None = None) -> Path | str:
         """Write a committed checkpoint ``<save_dir>/iter_XXXXXXX`` and move the tracker to it; returns its path
@@ -95,6 +97,7 @@ class Checkpointer:
         the manifest) go with it. The steps: :meth:`peftckpt.checkpoint.save.Saves.save`."""
         return self._saves.save(save_dir, iteration, objects or {}, options or SaveOptions(), args or {})
 
+    @gc_paused
     def async_save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any] | None = None,
                    options: SaveOptions | None = None, args: Mapping[str, Any] | None = None) -> PendingSave:
         """:meth:`save` in the background: returns once this rank's state is copied to host memory (frozen
@@ -112,10 +115,12 @@ class Checkpointer:
     def _host_buffers(self) -> dict[str, GlobalTensor]:
         return self._saves.host_buffers
 
+    @gc_paused
     def poll(self) -> bool:
         """Commit the in-flight async save if every rank finished writing it (collective). True if committed."""
         return self._saves.poll()
 
+    @gc_paused
     def wait(self) -> None:
         """Wait for the in-flight async save and commit it (collective); its failure is raised here."""
         self._saves.wait()
@@ -135,12 +140,14 @@ class Checkpointer:
             OSError: the directory cannot be created or written."""
         self._saves.lock(save_dir)
 
+    @gc_paused
     def close(self) -> None:
         """Commit any in-flight async save (collective), then release the save locations' locks, the async
         saves' host buffers and their process group. Also what leaving a ``with Checkpointer(...)`` does."""
         self._saves.close()
 
     # -------------------------------------------------------------------------------------- load
+    @gc_paused
     def load(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
              model_only: bool = False) -> LoadResult:
         """Load a committed checkpoint (a save location: the one its tracker names; or a checkpoint) into the
@@ -149,6 +156,7 @@ class Checkpointer:
         self.wait()  # an async save in flight is committed first: it may be the checkpoint asked for
         return self._loads.load(path, options, model_only)
 
+    @gc_paused
     def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
         """Load the base weights (model sections only) from a full checkpoint.
 
@@ -158,6 +166,7 @@ class Checkpointer:
         self.wait()  # the in-flight async save may be writing the base from live memory
         return self._loads.load_pretrained(path, options)
 
+    @gc_paused
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
                           read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor]) -> list[str]:
         """Load the model sections from a source in another format, piece by piece (collective).

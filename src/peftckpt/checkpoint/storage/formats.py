@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from ..checks.integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems, unwritten_pieces
 from ..errors import CheckpointError, CheckpointFormatError
 from ..faults import fault_point
+from ..gc_pause import paused_gc
 from ..options import SaveOptions
 from ..snapshot import copy_objects, host_copy, unchanged_since
 from .checksums import ChecksummingFileSystem
@@ -226,10 +227,11 @@ class TorchDistFormat:
         def write() -> Any:
             release.wait()
             snapshot, _, check_frozen_unchanged = take()
-            result = c.metadata = save_state_dict(snapshot, writer, planner, group)
-            check_frozen_unchanged()
-            if job.after_write is not None:
-                job.after_write()  # the hand-over (a store uploads), then the commit
+            with paused_gc():  # not while waiting for the snapshot: training runs then, collecting as usual
+                result = c.metadata = save_state_dict(snapshot, writer, planner, group)
+                check_frozen_unchanged()
+                if job.after_write is not None:
+                    job.after_write()  # the hand-over (a store uploads), then the commit
             return result
 
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
