@@ -36,6 +36,9 @@ from .framing import BLOCK_BYTES, IndexedItem, block_digests, encode_index, tens
 
 __all__ = ["FramedFileSystemWriter", "save_state_dict"]
 
+_JOINED_BYTES = 1 << 16
+"""Tensors up to this size are written with their framing as one joined buffer."""
+
 
 class _Counting:
     """Writes to a stream, counting the bytes (``tell()`` of a buffered writer costs a syscall's worth)."""
@@ -105,14 +108,18 @@ class FramedFileSystemWriter(FileSystemWriter):
             out.write(blob)
             return IndexedItem(0, len(blob), len(blob), 0, [xxhash.xxh3_64_intdigest(blob), xxhash.xxh3_64_intdigest(b"")])
         data_bytes = tensor_bytes(tensor)
+        head, tail = record.framing_digests
+        if len(data_bytes) <= _JOINED_BYTES:  # one write of one short copy beats three writes
+            out.write(b"".join((record.prefix, data_bytes, record.suffix)))
+            return IndexedItem(0, record.length, len(record.prefix), record.nbytes,
+                               [head, *block_digests(data_bytes), tail])
         # The block digests of a large tensor are taken on another core while its bytes are written.
         digests = overlap_pool().submit(block_digests, data_bytes) if len(data_bytes) >= BLOCK_BYTES else None
         out.write(record.prefix)
         out.write(data_bytes)
         out.write(record.suffix)
         blocks = block_digests(data_bytes) if digests is None else digests.result()
-        return IndexedItem(0, record.length, len(record.prefix), record.nbytes,
-                           [xxhash.xxh3_64_intdigest(record.prefix), *blocks, xxhash.xxh3_64_intdigest(record.suffix)])
+        return IndexedItem(0, record.length, len(record.prefix), record.nbytes, [head, *blocks, tail])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)

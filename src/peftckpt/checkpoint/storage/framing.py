@@ -31,7 +31,7 @@ import pickle
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, cast
 
 import torch
@@ -101,6 +101,11 @@ class TensorRecord:
     @property
     def length(self) -> int:
         return len(self.prefix) + self.nbytes + len(self.suffix)
+
+    @cached_property
+    def framing_digests(self) -> tuple[int, int]:
+        """XXH3-64 of the prefix and of the suffix (the same for every tensor of this dtype and shape)."""
+        return xxhash.xxh3_64_intdigest(self.prefix), xxhash.xxh3_64_intdigest(self.suffix)
 
 
 @lru_cache(maxsize=4096)
