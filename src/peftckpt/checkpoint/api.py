@@ -168,13 +168,15 @@ class Checkpointer:
 
     @gc_paused
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
-                          read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor]) -> list[str]:
+                          read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor],
+                          read_into: Callable[[str, Sequence[int], torch.Tensor], None] | None = None) -> list[str]:
         """Load the model sections from a source in another format, piece by piece (collective).
 
         ``shapes`` maps the storage keys the source holds (``model.<name>``) to their global shapes; ``read(key,
-        offsets, sizes)`` returns that region of one. Each rank reads only its own pieces, straight into the
-        model. As with :meth:`load_pretrained`, a frozen tensor the source lacks (or holds with another
-        shape) is an error naming ``source``; trainable ones it lacks (adapters) keep their values. Returns
-        the keys that were not in the source."""
+        offsets, sizes)`` returns that region of one; ``read_into(key, offsets, out)``, where given, is used
+        instead and fills ``out`` (a view of the model's memory) with the region of its size. Each rank reads
+        only its own pieces. As with :meth:`load_pretrained`, a frozen tensor the source lacks (or holds with
+        another shape) is an error naming ``source``; trainable ones it lacks (adapters) keep their values.
+        Returns the keys that were not in the source."""
         self.wait()
-        return self._loads.load_base_tensors(source, shapes, read)
+        return self._loads.load_base_tensors(source, shapes, read, read_into)

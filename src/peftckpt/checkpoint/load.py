@@ -259,7 +259,8 @@ class Loads:
         self.comm.agree(error)
 
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
-                          read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor]) -> list[str]:
+                          read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor],
+                          read_into: Callable[[str, Sequence[int], torch.Tensor], None] | None = None) -> list[str]:
         """:meth:`~peftckpt.checkpoint.api.Checkpointer.load_base_tensors` (collective)."""
         request = self.parts.build(False, False).tensors()
         absent = sorted(k for k in request if k not in shapes)
@@ -281,7 +282,10 @@ class Loads:
                     for key, entry in request.items():
                         if key in shapes:
                             for piece in entry.pieces:
-                                piece.tensor.copy_(read(key, piece.offsets, piece.tensor.shape))
+                                if read_into is not None:  # straight into the model's memory
+                                    read_into(key, piece.offsets, piece.tensor)
+                                else:
+                                    piece.tensor.copy_(read(key, piece.offsets, piece.tensor.shape))
                                 fingerprinting.add(key, piece.offsets, piece.tensor)
             except CheckpointError as e:
                 error = e

@@ -200,6 +200,20 @@ class HFModelDir:
                   for name, start, rows in self._segments(ours, offsets[0], offsets[0] + sizes[0])]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
+    def read_into(self, ours: str, offsets: Sequence[int], out: torch.Tensor) -> None:
+        """:meth:`read` of the region at ``offsets`` the size of ``out``, into ``out``: each HF tensor's rows
+        straight into ``out``'s rows where the layout allows (see :meth:`SafetensorsFile.read_into`)."""
+        shape, _ = self.ours[ours]
+        if not shape:
+            out.copy_(self.read(ours))
+            return
+        sizes = list(out.shape)
+        cols = slice(offsets[1], offsets[1] + sizes[1]) if len(shape) > 1 else None
+        at = 0
+        for name, start, rows in self._segments(ours, offsets[0], offsets[0] + sizes[0]):
+            self.where[name].read_into(name, out.narrow(0, at, rows), slice(start, start + rows), cols)
+            at += rows
+
 
 def _intersect(parts: Sequence[tuple[str, int, int]], r0: int, r1: int) -> Segments:
     """The pieces of ``parts`` (consecutive row runs) that lie in rows ``[r0, r1)`` of their concatenation."""

@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.storage.framing import tensor_bytes
+from ..checkpoint.storage.preads import read_exactly
+
 __all__ = ["DTYPES", "SafetensorsError", "TensorInfo", "SafetensorsFile", "write_safetensors"]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -31,6 +34,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20
+_BOUNCE_BYTES = 32 << 20
+"""The reused buffer of a read that cannot land in its destination (a column slice, another dtype)."""
 
 
 class SafetensorsError(ValueError):
@@ -57,6 +62,7 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.tensors: dict[str, TensorInfo] = {}
+        self._buffer: torch.Tensor | None = None
         try:
             size = self.path.stat().st_size
             with open(self.path, "rb") as f:
@@ -112,6 +118,47 @@ class SafetensorsFile:
             out = view.clone()
             del view  # the map closes only once no tensor points into it
         return out
+
+
+    def read_into(self, name: str, out: torch.Tensor, rows: slice | None = None, cols: slice | None = None) -> None:
+        """:meth:`read` into ``out`` (the shape of the region): the bytes of ``rows`` go straight into ``out``'s
+        memory when it is a contiguous CPU tensor of the file's dtype and the region spans whole rows; else they
+        pass through a reused buffer, a run of rows at a time, and the region (``cols``) is copied out of it."""
+        info = self.tensors[name]
+        if not info.shape or out.numel() == 0:
+            out.copy_(self.read(name, rows, cols))
+            return
+        first, stop, _ = (rows or slice(None)).indices(info.shape[0])
+        row_elems = math.prod(info.shape[1:])
+        row_bytes = row_elems * info.dtype.itemsize
+        whole_rows = cols is None or len(info.shape) < 2 or cols.indices(info.shape[1])[:2] == (0, info.shape[1])
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if whole_rows and out.dtype == info.dtype and out.is_cpu and out.is_contiguous():
+                self._pread(fd, tensor_bytes(out), info.begin + first * row_bytes, name)
+                return
+            per_run = max(1, min(stop - first, _BOUNCE_BYTES // max(1, row_bytes)))
+            bounce = self._bounce(per_run * row_bytes)
+            for at in range(first, stop, per_run):
+                n = min(per_run, stop - at)
+                part = bounce[:n * row_bytes].view(info.dtype)
+                self._pread(fd, tensor_bytes(part), info.begin + at * row_bytes, name)
+                region = part.view(n, *info.shape[1:])
+                if cols is not None and len(info.shape) > 1:
+                    region = region[:, cols]
+                out.narrow(0, at - first, n).copy_(region)
+        finally:
+            os.close(fd)
+
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        """A reused byte buffer of at least ``nbytes`` (no fresh memory faulted in for every tensor)."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(max(nbytes, _BOUNCE_BYTES), dtype=torch.uint8)
+        return self._buffer
+
+    def _pread(self, fd: int, into: memoryview, offset: int, name: str) -> None:
+        if read_exactly(fd, [into], offset) != len(into):
+            raise SafetensorsError(f"{self.path} is truncated: the bytes of tensor {name!r} end past its end")
 
 
 def write_safetensors(path: str | os.PathLike[str], specs: Mapping[str, tuple[torch.dtype, Iterable[int]]],

@@ -76,7 +76,8 @@ def load_base(ckpt: Checkpointer, path: str, options: LoadOptions) -> str:
         raise CheckpointFormatError(f"--pretrained-checkpoint: {e}") from None
     shapes = {f"{MODEL}.{name}": shape for name, (shape, _) in hf.ours.items()}
     ckpt.load_base_tensors(f"--pretrained-checkpoint {path}", shapes,
-                           lambda key, offsets, sizes: hf.read(key.removeprefix(f"{MODEL}."), offsets, sizes))
+                           lambda key, offsets, sizes: hf.read(key.removeprefix(f"{MODEL}."), offsets, sizes),
+                           lambda key, offsets, out: hf.read_into(key.removeprefix(f"{MODEL}."), offsets, out))
     return f"{path} (HF safetensors)"
 
 

@@ -53,6 +53,7 @@ from .framing import (
     read_index,
     tensor_bytes,
 )
+from .preads import read_exactly
 from .safe_pickle import SafeFileSystemReader, _SafeBytesPlanner
 
 __all__ = ["RangedFileSystemReader", "has_block_index"]
@@ -88,23 +89,6 @@ class _Span:
     last: int
     block_start: int
     block_end: int
-
-
-def _read_exactly(fd: int, views: Sequence[memoryview], offset: int) -> int:
-    """``preadv`` into ``views`` until they are full; the bytes read (fewer only at the end of the file)."""
-    views = [v for v in views if len(v)]
-    total = 0
-    while views:
-        n = os.preadv(fd, views, offset + total)
-        if n <= 0:
-            break
-        total += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
 
 
 def _digests(segments: Sequence[memoryview], sizes: Sequence[int]) -> list[int]:
@@ -247,7 +231,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
     def _read_whole(self, fd: int, path: Path, item: ReadItem, entry: IndexedItem) -> io.BytesIO | None:
         """An item read whole (an object, or a tensor ``torch.save`` framed); ``None`` if it fails its digest."""
         data = bytearray(entry.length)
-        n = _read_exactly(fd, [memoryview(data)], entry.offset)
+        n = read_exactly(fd, [memoryview(data)], entry.offset)
         self._count(n)
         if n != entry.length:
             raise EOFError(f"{path}: {entry.length} bytes of {item.storage_index.fqn!r} expected, {n} read")
@@ -305,7 +289,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
         bounce = None if direct else self._bounce(span.end - span.start)
         body = tensor_bytes(target if bounce is None else bounce)  # the destination's memory, or the bounce's
         expected = head_len + len(body) + tail_len
-        n = _read_exactly(fd, [head, body, tail], at)
+        n = read_exactly(fd, [head, body, tail], at)
         self._count(n)
         if n >= _DROP_BYTES:  # read once: leave the page cache to what is still to be read (module docstring)
             os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)
