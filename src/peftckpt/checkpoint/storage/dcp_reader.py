@@ -15,9 +15,11 @@ file (:mod:`~peftckpt.checkpoint.storage.framing`):
    a problem naming the file and the key (:attr:`problems`), reported by the load after the read, as the
    whole-file checksums were.
 
-Several direct reads are in flight at once (a small thread pool; ``preadv`` releases the GIL); reads through a
-buffer run one at a time, so a load holds at most one such buffer (the span of one stored tensor). Objects are read whole and
-go through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a block
+Nothing read is dropped from the page cache: the other TP ranks read the same rows of a column split, and DP
+replicas the same pieces, at about the same time (dropping them made the ranks read 1.25x the base from the
+disk); pages read once are the kernel's first to evict anyway. Several direct reads are in flight at once (a
+small thread pool; ``preadv`` releases the GIL); reads through a buffer run one at a time, so a load holds at most
+one such buffer (the span of one stored tensor). Objects are read whole and go through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a block
 index (stock DCP's, earlier peftckpt's), items the index does not list, and a file whose index is damaged
 (reported, when verifying) are read by the stock path. Reads stay inside the recorded sizes: an index entry must
 lie inside its file and agree with the ``.metadata``'s item and chunk, or the stock path reads that item.
@@ -59,7 +61,6 @@ from .safe_pickle import SafeFileSystemReader, _SafeBytesPlanner
 __all__ = ["RangedFileSystemReader", "has_block_index"]
 
 _READ_THREADS = 4
-_DROP_BYTES = 1 << 20
 _BOUNCE_BYTES = 32 << 20
 """The reused buffer of buffered reads; a larger strided region is read in runs of rows that fit it."""
 
@@ -291,8 +292,6 @@ class RangedFileSystemReader(SafeFileSystemReader):
         expected = head_len + len(body) + tail_len
         n = read_exactly(fd, [head, body, tail], at)
         self._count(n)
-        if n >= _DROP_BYTES:  # read once: leave the page cache to what is still to be read (module docstring)
-            os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)
         if n != expected:
             raise EOFError(f"{path}: {expected} bytes of {item.storage_index.fqn!r} at offset {at} expected, "
                            f"{n} read")
