@@ -28,6 +28,7 @@ import torch
 from ..model.config import LORA_PART_TARGETS, GPTConfig, LoRAConfig
 from ..model.fused import split_gate_up, split_qkv
 from .hf_llama import HF_PROJECTIONS, InteropError, hf_module_of, our_linear_of
+from .safetensors_io import SafetensorsError, SafetensorsFile, write_safetensors
 
 __all__ = ["PEFT_CONFIG_FILE", "PEFT_WEIGHTS_FILE", "is_adapter_name", "adapter_to_peft", "peft_to_adapter", "read_peft_dir",
            "write_peft_dir"]
@@ -161,9 +162,8 @@ def peft_to_adapter(tensors: Mapping[str, torch.Tensor], config: Mapping[str, An
 
 # --------------------------------------------------------------------------------------------- files
 def read_peft_dir(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``adapter_config.json`` and ``adapter_model.safetensors`` of a PEFT adapter directory."""
-    from safetensors.torch import load_file
-
+    """``adapter_config.json`` and ``adapter_model.safetensors`` of a PEFT adapter directory (read by our own
+    safetensors reader: no optional dependency, and a damaged file is one message naming it)."""
     root = Path(path)
     cfg_path, weights = root / PEFT_CONFIG_FILE, root / PEFT_WEIGHTS_FILE
     if not cfg_path.is_file():
@@ -175,22 +175,26 @@ def read_peft_dir(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[st
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise InteropError(f"{cfg_path} is not valid JSON: {e}") from None
-    return config, load_file(str(weights))
+    try:
+        stored = SafetensorsFile(weights)
+        return config, {name: stored.read(name) for name in stored.tensors}
+    except SafetensorsError as e:
+        raise InteropError(str(e)) from None
 
 
 def write_peft_dir(path: str | os.PathLike[str], config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write a PEFT adapter directory (fsynced)."""
-    from safetensors.torch import save_file
-
+    """Write a PEFT adapter directory (fsynced; the weights by our own safetensors writer, which PEFT's
+    ``from_pretrained`` reads)."""
     from ..checkpoint.storage.durable import fsync_dir, fsync_file
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    save_file(dict(tensors), str(root / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    write_safetensors(root / PEFT_WEIGHTS_FILE, {n: (t.dtype, t.shape) for n, t in tensors.items()},
+                      iter(tensors.items()), metadata={"format": "pt"})
     (root / PEFT_CONFIG_FILE).write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
     umask = os.umask(0)
     os.umask(umask)
     for name in (PEFT_WEIGHTS_FILE, PEFT_CONFIG_FILE):
-        os.chmod(root / name, 0o666 & ~umask)  # as save_pretrained leaves them (safetensors writes 0600)
+        os.chmod(root / name, 0o666 & ~umask)  # as save_pretrained leaves them, whatever the process's umask
         fsync_file(root / name)
     fsync_dir(root)

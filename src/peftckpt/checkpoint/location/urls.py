@@ -22,7 +22,7 @@ __all__ = ["SCHEME_PACKAGES", "is_url", "url_problem", "local_only_problem", "pa
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 SCHEME_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-"""The package that gives fsspec each object-store scheme peftckpt admits (``pip install peftckpt[s3]`` for S3)."""
+"""The package that gives fsspec each object-store scheme peftckpt admits (the ``s3`` extra brings s3fs)."""
 
 
 def is_url(value: object) -> bool:
@@ -48,7 +48,8 @@ def url_problem(value: object) -> str | None:
                 f"{', '.join(s + '://' for s in ('s3', 'gs', 'az', 'file'))}, or a local path)")
     package = SCHEME_PACKAGES[scheme]
     if importlib.util.find_spec(package) is None:
-        extra = " (pip install 'peftckpt[s3]')" if package == "s3fs" else ""
+        extra = " (pip install s3fs, or the s3 extra: pip install '.[s3]' in a peftckpt checkout)" \
+            if package == "s3fs" else ""
         return f"needs the {package} package for {scheme}://, which is not installed{extra}"
     rest = value[match.end():]
     bucket = rest.split("/", 1)[0]
