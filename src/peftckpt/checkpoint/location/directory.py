@@ -129,8 +129,10 @@ class Directory(Location):
 
     def publish(self, target: SaveTarget, manifest_bytes: bytes, on_step: Callable[[str], None]) -> None:
         """Steps:
-            1. Write the manifest into staging (temp + fsync + rename): complete, but still invisible.
-            2. fsync the whole staging tree.
+            1. Write the manifest into staging: still invisible (a crash leaves a staging directory that a later
+               save cleans), so it needs no temp file and rename of its own.
+            2. fsync the whole staging tree: the data files (their writers do not fsync them), DCP's metadata and
+               the manifest at once, then the directory.
             3. If ``iter_N`` exists: rename it to ``.trash.replace.iter_N.<token>``.
             4. Rename staging to ``iter_N``; fsync the save directory (both renames become durable).
             5. Delete the trash of step 3.
@@ -140,7 +142,7 @@ class Directory(Location):
             raise CheckpointNotFoundError(f"staging directory {staging} does not exist; nothing to commit")
         if staging.parent.resolve() != self.path.resolve():
             raise ValueError(f"staging directory {staging} is not directly inside the save directory {self.path}")
-        atomic_write_bytes(staging / MANIFEST_FILENAME, manifest_bytes)  # 1.
+        (staging / MANIFEST_FILENAME).write_bytes(manifest_bytes)  # 1.
         fsync_tree(staging)  # 2.
         on_step("manifest_written")
         final = self.path / iteration_dirname(target.iteration)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 __all__ = ["fsync_file", "fsync_dir", "fsync_tree", "atomic_write_bytes"]
+
+_FSYNC_THREADS = 8
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
@@ -32,10 +35,16 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def fsync_tree(path: str | os.PathLike[str]) -> None:
-    """fsync every file and every directory under ``path`` (and ``path`` itself), children first."""
+    """fsync every file and every directory under ``path`` (and ``path`` itself), children first; the files
+    of a directory at once, on a few threads (the file system can then make them durable in one journal
+    commit instead of one each)."""
     for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
-        for name in filenames:
-            fsync_file(os.path.join(dirpath, name))
+        files = [os.path.join(dirpath, name) for name in filenames]
+        if len(files) > 1:
+            with ThreadPoolExecutor(max_workers=min(len(files), _FSYNC_THREADS)) as pool:
+                list(pool.map(fsync_file, files))
+        elif files:
+            fsync_file(files[0])
         fsync_dir(dirpath)
 
 

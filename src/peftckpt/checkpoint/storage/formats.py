@@ -186,7 +186,9 @@ class TorchDistFormat:
     def write(self, job: WriteJob) -> Written:
         c = Written()
         # One item resolved, framed and written at a time (lazy entries stream; see EntrySavePlanner).
-        writer = FramedFileSystemWriter(job.staging, sync_files=True)
+        # No fsync per file here: the location makes the whole checkpoint durable when it publishes it (a
+        # directory fsyncs the staging tree at once; a store's copy is the upload), so each file is synced once.
+        writer = FramedFileSystemWriter(job.staging, sync_files=False)
         # Checksum each file as it is written (overlapping I/O and hashing).
         writer.fs = c.checksums = ChecksummingFileSystem()
         planner = EntrySavePlanner(on_item=lambda: fault_point("data", job.rank, job.iteration))
