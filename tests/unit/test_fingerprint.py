@@ -189,14 +189,8 @@ def test_old_versions_keep_their_values() -> None:
         "v3:sha256:ff7a4ed65ad660a3d679c405dffbb9f2bcd2ed797b8e07c2579546eee7ecd987"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])
-def test_v3_long_and_unaligned_runs(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs longer than one summed row, rows whose phase in the periodic weights differs (a row length that
-    the period does not divide), and tiles of many rows: every split equals the whole tensor."""
-    monkeypatch.setattr(fingerprint_module, "_RUN", 64)  # long runs at a small size
-    monkeypatch.setattr(fingerprint_module, "_TILE_V3", 256)
-    monkeypatch.setattr(fingerprint_module, "_PERIOD", 7)
-    monkeypatch.setattr(fingerprint_module, "_R", fingerprint_module._R[:7])
+def _check_odd_splits(dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    """Row, column, grid and flat splits of an odd-shaped tensor all equal the whole; the tensor and its value."""
     t = (torch.randn(40, 37, generator=torch.Generator().manual_seed(5)) * 100).to(dtype)
     whole = _fp({"w": _whole(t)})
     assert _fp({"w": _rows(t, [0, 1, 13, 40])}) == whole
@@ -206,6 +200,18 @@ def test_v3_long_and_unaligned_runs(dtype: torch.dtype, monkeypatch: pytest.Monk
     assert _fp({"w": GlobalTensor(t.shape, t.dtype, grid)}) == whole
     flat = t.reshape(-1)
     assert _fp({"f": _rows(flat, [0, 100, 1000, flat.numel()])}) == _fp({"f": _whole(flat)})
+    return t, whole
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])
+def test_v3_long_and_unaligned_runs(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs longer than one summed row, rows whose phase in the periodic weights differs (a row length that
+    the period does not divide), and tiles of many rows: every split equals the whole tensor."""
+    monkeypatch.setattr(fingerprint_module, "_RUN", 64)  # long runs at a small size
+    monkeypatch.setattr(fingerprint_module, "_TILE_V3", 256)
+    monkeypatch.setattr(fingerprint_module, "_PERIOD", 7)
+    monkeypatch.setattr(fingerprint_module, "_R", fingerprint_module._R[:7])
+    t, whole = _check_odd_splits(dtype)
     changed = t.clone()
     changed[39, 36] += 1
     assert _fp({"w": _whole(changed)}) != whole
@@ -218,15 +224,7 @@ def test_v4_chunk_edges_and_long_runs(dtype: torch.dtype, monkeypatch: pytest.Mo
     not divide), TP-like column shards of an aligned row (11008 / 8 = 1376 is not a multiple of 64), one long
     run cut into segments -- every split equals the whole tensor, and one changed element changes it."""
     monkeypatch.setattr(fingerprint_module, "_SEGMENT", 1 << 10)  # long runs at a small size
-    t = (torch.randn(40, 37, generator=torch.Generator().manual_seed(5)) * 100).to(dtype)
-    whole = _fp({"w": _whole(t)})
-    assert _fp({"w": _rows(t, [0, 1, 13, 40])}) == whole
-    cols = GlobalTensor(t.shape, t.dtype, [Piece((0, 0), t[:, :10]), Piece((0, 10), t[:, 10:])])
-    assert _fp({"w": cols}) == whole
-    grid = [Piece((a, b), t[a:a + 20, b:b + 19]) for a in (0, 20) for b in (0, 19)]
-    assert _fp({"w": GlobalTensor(t.shape, t.dtype, grid)}) == whole
-    flat = t.reshape(-1)
-    assert _fp({"f": _rows(flat, [0, 100, 1000, flat.numel()])}) == _fp({"f": _whole(flat)})
+    t, whole = _check_odd_splits(dtype)
     wide = (torch.randn(3, 11008, generator=torch.Generator().manual_seed(6)) * 100).to(dtype)
     shards = [Piece((0, r * 1376), wide[:, r * 1376:(r + 1) * 1376]) for r in range(8)]
     assert _fp({"w": GlobalTensor(wide.shape, wide.dtype, shards)}) == _fp({"w": _whole(wide)})
