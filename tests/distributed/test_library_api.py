@@ -1,7 +1,8 @@
 """The library on real ranks (one spawn of 2): the layout from a named DeviceMesh, an explicit process group
 that leaves other ranks out, per-rank states (each rank restores its own; a job with more ranks than the
-save restores rank 0's, said once), and a rank's shard that never reaches disk refused at the commit,
-naming the rank."""
+save restores rank 0's, said once), a rank's shard that never reaches disk refused at the commit,
+naming the rank, and the saves after it reusing the plans of the last committed save (its layout on every
+rank)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 from peftckpt import Checkpointer, CheckpointError, FusedChunks, SaveOptions, declare_fused
 from peftckpt.checkpoint import rank_parts as api
+from tests.integration.cli import read_dcp_tensors
 
 from .harness import run_distributed
 
@@ -104,6 +106,11 @@ def _worker(rank: int, world: int, root: str, single: str) -> dict[str, Any]:
             out["lost"] = str(e)
         finally:
             api.model_entries = original  # type: ignore[assignment]
+        # ... and the next saves, laid out as the last committed one on every rank, reuse its plans
+        ckpt.save(Path(root) / "lost", 3, options=SaveOptions(trainable_only=True))
+        memo = ckpt._saves.last.plans if ckpt._saves.last is not None else None
+        ckpt.save(Path(root) / "lost", 4, options=SaveOptions(trainable_only=True))
+        out["reused"] = ckpt._saves.last is not None and ckpt._saves.last.plans is memo
     # 5b. a wrong fused-layout declaration (only rank 0 declares its weight fused): pieces that overlap
     torch.manual_seed(0)
     fused = parallelize_module(nn.Sequential(nn.Linear(4, 12)), tp, {"0": ColwiseParallel()})
@@ -144,6 +151,11 @@ def test_mesh_layouts_process_groups_and_per_rank_states(tmp_path: Path) -> None
         assert r["fused"] is not None and "'model.0.weight': rank(s) 0 hold offsets [6, 0] size [3, 4] and rank(s) 1 " \
             "offsets [6, 0] size [6, 4]: they overlap without being the same piece" in r["fused"], r["fused"]
         assert not (tmp_path / "fused" / "latest_checkpointed_iteration.txt").exists()
-        assert r["lost_tracker"] == "1" and not list((tmp_path / "lost").glob(".staging*"))
+        assert r["lost_tracker"] == "4" and not list((tmp_path / "lost").glob(".staging*"))
+        assert r["reused"] is True
+    torch.manual_seed(0)
+    whole = nn.Linear(4, 8)
+    stored = read_dcp_tensors(tmp_path / "lost" / "iter_0000004")
+    torch.testing.assert_close(stored["model.0.weight"], whole.weight.detach(), rtol=0, atol=0)
     assert results[0]["alone_layout"] == {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}
     assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == []

@@ -70,7 +70,7 @@ def held_writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
         if point == "data" and threading.current_thread() is not threading.main_thread():
             assert release.wait(30), "the test never released the writer"
 
-    monkeypatch.setattr(formats, "fault_point", fault_point)
+    monkeypatch.setattr(formats, "fault_hook", lambda point, rank, iteration: lambda: fault_point(point, rank, iteration))
     yield release
     release.set()
 

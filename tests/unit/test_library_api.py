@@ -222,7 +222,7 @@ def test_a_failed_async_save_handle_raises_why_every_time(tmp_path: Path, monkey
         if point == "data" and threading.current_thread() is not threading.main_thread():
             assert release.wait(30)
 
-    monkeypatch.setattr(formats, "fault_point", held)
+    monkeypatch.setattr(formats, "fault_hook", lambda point, rank, iteration: lambda: held(point, rank, iteration))
     model, opt, _ = _setup(0)
     ckpt = Checkpointer(model, opt)
     ckpt.save(tmp_path, 1)

@@ -24,6 +24,7 @@ from .options import SaveOptions
 from .storage.checksums import checksum_files
 from .storage.formats import Written, storage_format
 from .storage.manifest import Manifest
+from .storage.plan_memo import PlanMemo
 
 __all__ = ["PendingCommit", "commit_checkpoint", "commit_outcome", "hand_over_files"]
 
@@ -39,9 +40,8 @@ class PendingCommit:
     kept: dict[str, Any]
     """This rank's records of the model tensors it saved, and of those it left out (trainable-only)."""
     excluded: dict[str, Any]
-    planned: list[dict[str, Any]]
-    """Every rank's pieces, ``{key: (global shape, [(offsets, sizes), ...])}`` per rank, as the save's plan
-    check gathered them: what the commit expects to find stored."""
+    plans: PlanMemo
+    """The save's layout and plans (reused from the last save laid out the same way, or this save's own)."""
     sections: list[str]
     fingerprint: str | None
     layout: dict[str, int]
@@ -160,21 +160,17 @@ def build_manifest(c: PendingCommit, records: list[tuple[dict[str, Any], dict[st
     files: dict[str, Any] = {}
     saved_keys: dict[str, Any] = {}
     excluded_keys: dict[str, Any] = {}
-    held: dict[str, list[tuple[int, list[int], list[int]]]] = {}
     for f, k, x in records:
         files.update(f)
         saved_keys.update(k)
         excluded_keys.update(x)
-    for rank, planned in enumerate(c.planned):
-        for key, (_, boxes) in planned.items():
-            held.setdefault(key, []).extend((rank, offsets, sizes) for offsets, sizes in boxes)
     checksum = checksum_files if c.written.checksums is None else c.written.checksums.checksums
     others = [p for p in c.staging.rglob("*") if p.is_file() and p.relative_to(c.staging).as_posix() not in files]
     files.update(checksum(others, c.staging))
     c.location.upload(c.target, others, 0, keep=True)  # rank 0's other files (DCP's .metadata), kept for the checks
     stored = c.location.stored_sizes(c.target)
     problems = storage_format(c.options.ckpt_format, "SaveOptions.ckpt_format").written_problems(
-        c.staging, files, saved_keys, held, stored, c.written.metadata)
+        c.staging, files, saved_keys, c.plans, stored, c.written.metadata)
     if stored is not None:
         problems += [f"{c.location.describe(f'{c.target.name}/{rel}')}: uploaded with {stored.get(rel, 'no')} bytes, "
                      f"{rec['size']} were written" for rel, rec in sorted(files.items()) if stored.get(rel) != rec["size"]]

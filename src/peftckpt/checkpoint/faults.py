@@ -22,11 +22,21 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Callable
 
-__all__ = ["FAULT_ENV", "fault_point"]
+__all__ = ["FAULT_ENV", "fault_point", "fault_hook"]
 
 FAULT_ENV = "PEFTCKPT_FAULT_INJECT"
 POINTS = ("data", "upload", "before_manifest", "before_rename", "before_tracker")
+
+
+def fault_hook(point: str, rank: int, iteration: int) -> Callable[[], None] | None:
+    """:func:`fault_point` as a call for a point passed many times in one step (the ``data`` point, once per
+    item written), or ``None`` when no fault names ``point`` (the environment is read once, here)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or not any(entry.strip().split(":")[0] == point for entry in spec.split(",")):
+        return None
+    return lambda: fault_point(point, rank, iteration)
 
 
 def fault_point(point: str, rank: int, iteration: int) -> None:

@@ -31,6 +31,7 @@ from .rank_parts import RankParts
 from .state.sections import OPTIMIZER, RNG_STATE, STATES, model_section_names, state_key
 from .state.trainable import TORCH_DIST
 from .storage.formats import StorageFormat, WriteJob, storage_format
+from .storage.plan_memo import PlanMemo, layout_of
 
 __all__ = ["Saves", "PendingSave"]
 
@@ -120,7 +121,7 @@ class Saves:
         try:
             commit.written = fmt.write(WriteJob(
                 flat, commit.staging, iteration, options, p.rank, p.coords, p.layout, self.comm.group, p.chunks,
-                p.optimizer, self.host_buffers, self._async_group, self._after_write(commit)))
+                p.optimizer, self.host_buffers, self._async_group, self._after_write(commit), commit.plans))
             self.pending = commit if commit.written.future is not None else None
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = unwrap_dcp_error(e)
@@ -182,31 +183,43 @@ class Saves:
         except CheckpointError as e:
             error = e
         self.comm.agree(error)
-        planned = self.comm.gather({k: (list(v.global_shape), [(list(q.offsets), list(q.tensor.shape))
-                                                                for q in v.pieces])
-                                    for k, v in flat.items() if isinstance(v, GlobalTensor)})
-        problems = plan_problems(planned)
-        if problems:  # the same on every rank
-            refused = CheckpointIntegrityError(f"saving iteration {iteration} to {location.text}: the ranks' pieces "
-                                               "would not make a whole checkpoint, so nothing was written:\n  "
-                                               + "\n  ".join(problems))
-            refused.every_rank = True
-            raise refused
-        if options.trainable_only:
-            trainable = any(v.requires_grad for sec in held.values() for v in sec.values()
-                            if isinstance(v, GlobalTensor))
-            if not any(self.comm.gather(trainable)) and p.rank == 0:
-                warnings.warn("SaveOptions(trainable_only=True): no model parameter is trainable, so this checkpoint "
-                              "holds no model parameters (buffers only, if any)", stacklevel=3)
+        plans = self._plans(flat, fmt)
+        if not plans.planned:  # a layout not saved (and committed) just before: the ranks' pieces are checked
+            plans.planned = self.comm.gather(plans.layout[0])
+            problems = plan_problems(plans.planned)
+            if problems:  # the same on every rank
+                refused = CheckpointIntegrityError(f"saving iteration {iteration} to {location.text}: the ranks' "
+                                                   "pieces would not make a whole checkpoint, so nothing was "
+                                                   "written:\n  " + "\n  ".join(problems))
+                refused.every_rank = True
+                raise refused
+            if options.trainable_only:
+                trainable = any(v.requires_grad for sec in held.values() for v in sec.values()
+                                if isinstance(v, GlobalTensor))
+                if not any(self.comm.gather(trainable)) and p.rank == 0:
+                    warnings.warn("SaveOptions(trainable_only=True): no model parameter is trainable, so this "
+                                  "checkpoint holds no model parameters (buffers only, if any)", stacklevel=3)
         sections = model_section_names(len(p.chunks)) + (
             [OPTIMIZER] if options.save_optim and p.optimizer is not None else []) + (
             [RNG_STATE] if options.save_rng else []) + object_names
         # `target` is set by step 2, once it exists.
         commit = PendingCommit(location=location, target=SaveTarget(iteration, "", Path()), options=options,
-                               kept=kept, excluded=excluded, planned=planned, sections=sections,
+                               kept=kept, excluded=excluded, plans=plans, sections=sections,
                                fingerprint=fingerprint, layout=p.layout, coords=p.coords,
                                model_config=p.model_config, adapter_config=p.adapter_config)
         return commit, flat
+
+    def _plans(self, flat: dict[str, Any], fmt: StorageFormat) -> PlanMemo:
+        """The last save's plan memo if every rank's entries are laid out as they were in it and it committed
+        (collective), else an empty one for this save (:mod:`~peftckpt.checkpoint.storage.plan_memo`)."""
+        layout = layout_of(flat)
+        last = self.last
+        same = (last is not None and last.committed and last.error is None and last.options.ckpt_format == fmt.name
+                and last.plans.layout == layout)
+        if self.comm.all_true(same):
+            assert last is not None
+            return last.plans
+        return PlanMemo(layout)
 
     def _begin(self, location: Location, iteration: int) -> SaveTarget:
         """Save step 2 (collective): rank 0 locks the location and cleans what interrupted saves left; all ranks

@@ -94,7 +94,7 @@ class GlobalTensor:
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         if index.index is not None and index.index < len(self.pieces):
             p = self.pieces[index.index]
-            if index.offset is None or torch.Size(p.offsets) == index.offset:
+            if index.offset is None or p.offsets == index.offset:  # (a torch.Size equals the tuple of its dims)
                 return p.tensor
         for p in self.pieces:
             if index.offset is None or torch.Size(p.offsets) == index.offset:

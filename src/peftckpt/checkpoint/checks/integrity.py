@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,8 @@ from peftckpt.checkpoint.storage.manifest import Manifest
 from peftckpt.checkpoint.storage.paths import recorded_file_problem, relpath_problem
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 
-__all__ = ["DCP_METADATA_FILENAME", "dcp_problems", "storage_problems", "coverage_problem", "key_record_problems",
-           "unwritten_pieces", "plan_problems"]
+__all__ = ["DCP_METADATA_FILENAME", "dcp_problems", "storage_problems", "StoredStructure", "stored_structure",
+           "coverage_problem", "key_record_problems", "held_pieces", "unwritten_pieces", "plan_problems"]
 
 DCP_METADATA_FILENAME = ".metadata"
 """DCP's global metadata file inside a ``torch_dist`` checkpoint directory."""
@@ -155,52 +156,90 @@ def _item_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[s
     return problems, lengths
 
 
-def _entry_problems(key: str, md: object, lengths: Mapping[MetadataIndex, int], root: Path) -> list[str]:
-    """Step 2 of the module docstring for one entry of ``state_dict_metadata``."""
+@dataclass
+class StoredStructure:
+    """What ``.metadata``'s entries say, checked once (step 2 of the module docstring less the storage items):
+    the entries' own problems and, per storage item they need, how many bytes it must hold. It depends on
+    ``state_dict_metadata`` alone, so a save laid out like the last one reuses the last one's (see
+    :class:`~peftckpt.checkpoint.storage.plan_memo.PlanMemo`)."""
+
+    problems: list[str]
+    needs: list[tuple[MetadataIndex, int, list[int] | None, torch.dtype | None]]
+    """``(storage index, bytes it must hold, the chunk's sizes and dtype)``, the last two ``None`` for an
+    object."""
+    unwritten: list[str] | None = None
+    """:func:`unwritten_pieces` of these entries and the save's pieces, once a commit asked (the pieces are the
+    same wherever the structure is reused)."""
+
+
+def stored_structure(metadata: Metadata, root: Path) -> StoredStructure:
+    """The entry checks of ``metadata.state_dict_metadata`` (which must be a dict)."""
     where = f"{root}/.metadata"
-    if isinstance(md, BytesStorageMetadata):
-        return [] if MetadataIndex(key) in lengths else [f"{where}: object {key!r} has no valid storage item"]
-    if not isinstance(md, TensorStorageMetadata):
-        return [f"{where}: entry {key!r} is a {type(md).__name__}, not tensor or object metadata"]
+    problems: list[str] = []
+    needs: list[tuple[MetadataIndex, int, list[int] | None, torch.dtype | None]] = []
+    for key, md in sorted(metadata.state_dict_metadata.items(), key=lambda kv: str(kv[0])):
+        if not isinstance(key, str):
+            problems.append(f"{where}: an entry named by a {type(key).__name__}, not a string")
+        elif isinstance(md, BytesStorageMetadata):
+            needs.append((MetadataIndex(key), 0, None, None))
+        elif not isinstance(md, TensorStorageMetadata):
+            problems.append(f"{where}: entry {key!r} is a {type(md).__name__}, not tensor or object metadata")
+        else:
+            problems.extend(_tensor_problems(key, md, needs, where))
+    return StoredStructure(problems, needs)
+
+
+def _tensor_problems(key: str, md: TensorStorageMetadata,
+                     needs: list[tuple[MetadataIndex, int, list[int] | None, torch.dtype | None]], where: str) -> list[str]:
+    """One tensor entry's problems; the storage items its chunks need are added to ``needs``."""
     shape = _dims(md.size)
     dtype = getattr(md.properties, "dtype", None)
     if shape is None or not isinstance(dtype, torch.dtype) or not isinstance(md.chunks, list):
         return [f"{where}: tensor {key!r} has a malformed shape, dtype or chunk list"]
     chunks: list[tuple[list[int], list[int]]] = []
-    problems = []
     for chunk in md.chunks:
         offsets = _dims(getattr(chunk, "offsets", None)) if isinstance(chunk, ChunkStorageMetadata) else None
         sizes = _dims(getattr(chunk, "sizes", None)) if isinstance(chunk, ChunkStorageMetadata) else None
         if offsets is None or sizes is None:
             return [f"{where}: tensor {key!r} has a malformed chunk"]
-        length = lengths.get(MetadataIndex(key, torch.Size(offsets)))
-        if length is None:
-            problems.append(f"{where}: chunk of {key!r} at offsets {offsets} has no valid storage item")
-        elif math.prod(sizes) * dtype.itemsize > length:
-            problems.append(f"{where}: chunk of {key!r} at offsets {offsets} declares {list(sizes)} {dtype} "
-                            f"elements, more than its {length} stored bytes can hold")
+        needs.append((MetadataIndex(key, torch.Size(offsets)), math.prod(sizes) * dtype.itemsize, sizes, dtype))
         chunks.append((offsets, sizes))
     why = coverage_problem(key, shape, chunks)
-    return problems + ([f"{where}: {why}"] if why else [])
+    return [f"{where}: {why}"] if why else []
+
+
+def _need_problems(structure: StoredStructure, lengths: Mapping[MetadataIndex, int], root: Path) -> list[str]:
+    """The storage items the entries need that are missing, or too short for the elements a chunk declares."""
+    problems = []
+    for index, nbytes, sizes, dtype in structure.needs:
+        length = lengths.get(index)
+        if length is not None and length >= nbytes:
+            continue
+        name = (f"object {index.fqn!r}" if sizes is None
+                else f"chunk of {index.fqn!r} at offsets {list(index.offset or ())}")
+        if length is None:
+            problems.append(f"{root}/.metadata: {name} has no valid storage item")
+        else:
+            problems.append(f"{root}/.metadata: {name} declares {sizes} {dtype} elements, more than its {length} "
+                            "stored bytes can hold")
+    return problems
 
 
 def storage_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[str, Any]],
-                     saved_keys: Mapping[str, Mapping[str, Any]], stored: Mapping[str, int] | None = None
-                     ) -> list[str]:
+                     saved_keys: Mapping[str, Mapping[str, Any]], stored: Mapping[str, int] | None = None,
+                     structure: StoredStructure | None = None) -> list[str]:
     """Everything that makes checkpoint ``root`` not whole (module docstring, steps 1-3); empty when whole.
 
     ``files`` and ``saved_keys`` are the manifest's records (or, at commit time, what is about to be
     recorded). ``stored``: the files' sizes as an object store lists them (else the files under ``root`` are
-    examined). At most a few dozen problems are listed, then a count."""
+    examined). ``structure``: :func:`stored_structure` of this metadata, if already taken. At most a few dozen
+    problems are listed, then a count."""
     problems, lengths = _item_problems(root, metadata, files, stored)
-    entries = getattr(metadata, "state_dict_metadata", None)
-    if not isinstance(entries, dict):
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         return problems + [f"{root}/.metadata: has no state-dict metadata"]
-    for key, md in sorted(entries.items(), key=lambda kv: str(kv[0])):
-        if not isinstance(key, str):
-            problems.append(f"{root}/.metadata: an entry named by a {type(key).__name__}, not a string")
-            continue
-        problems.extend(_entry_problems(key, md, lengths, root))
+    if structure is None:
+        structure = stored_structure(metadata, root)
+    problems += structure.problems + _need_problems(structure, lengths, root)
     problems.extend(key_record_problems(metadata, saved_keys, root / ".metadata"))
     if len(problems) > _MAX_REPORTED:
         problems = problems[:_MAX_REPORTED] + [f"... and {len(problems) - _MAX_REPORTED} more problem(s)"]
@@ -233,6 +272,17 @@ def unwritten_pieces(metadata: Metadata, held: Mapping[str, Sequence[tuple[int, 
     return [f"{key!r}: the piece at offsets {list(offsets)} of size {list(sizes)}, held by rank(s) "
             f"{', '.join(map(str, sorted(set(ranks))))}, never reached the checkpoint"
             for (key, offsets, sizes), ranks in missing.items()]
+
+
+def held_pieces(planned: Sequence[Mapping[str, tuple[Any, Sequence[tuple[list[int], list[int]]]]]]
+                ) -> dict[str, list[tuple[int, list[int], list[int]]]]:
+    """``{key: [(rank, offsets, sizes), ...]}`` (as :func:`unwritten_pieces` takes them) of every rank's pieces
+    as a save's step 1 gathered them (``planned[rank] = {key: (global shape, [(offsets, sizes), ...])}``)."""
+    held: dict[str, list[tuple[int, list[int], list[int]]]] = {}
+    for rank, keys in enumerate(planned):
+        for key, (_, boxes) in keys.items():
+            held.setdefault(key, []).extend((rank, offsets, sizes) for offsets, sizes in boxes)
+    return held
 
 
 def plan_problems(planned: Sequence[Mapping[str, tuple[Sequence[int], Sequence[tuple[Sequence[int], Sequence[int]]]]]]

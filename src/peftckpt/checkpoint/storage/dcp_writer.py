@@ -33,6 +33,7 @@ from torch.futures import Future
 
 from .checksums import overlap_pool
 from .framing import BLOCK_BYTES, IndexedItem, block_digests, encode_index, tensor_bytes, tensor_record
+from .plan_memo import PlanMemo
 
 __all__ = ["FramedFileSystemWriter", "save_state_dict"]
 
@@ -95,7 +96,9 @@ class FramedFileSystemWriter(FileSystemWriter):
             raw = memoryview(cast(io.BytesIO, data).getbuffer()).cast("B")
             out.write(raw)
             return IndexedItem(0, len(raw), len(raw), 0, [xxhash.xxh3_64_intdigest(raw), xxhash.xxh3_64_intdigest(b"")])
-        tensor = cast(torch.Tensor, data).detach()
+        tensor = cast(torch.Tensor, data)
+        if tensor.requires_grad:
+            tensor = tensor.detach()
         if not tensor.is_cpu:
             tensor = tensor.cpu()
         if not tensor.is_contiguous():
@@ -127,10 +130,14 @@ class FramedFileSystemWriter(FileSystemWriter):
 
 
 def save_state_dict(state_dict: dict[str, Any], writer: FramedFileSystemWriter, planner: SavePlanner,
-                    group: dist.ProcessGroup | None) -> Metadata | None:
+                    group: dist.ProcessGroup | None, memo: PlanMemo | None = None) -> Metadata | None:
     """``dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group)`` for a flat state dict
     without ``Stateful`` values: the same steps and the same collective error handling (a failure on any rank
-    raises DCP's ``CheckpointException`` on every rank). Returns the metadata written (on the coordinator)."""
+    raises DCP's ``CheckpointException`` on every rank). Returns the metadata written (on the coordinator).
+
+    ``memo``: the plans of a save laid out like this one, which every rank agreed to reuse (then no planning step
+    runs: each rank writes its last plan, the coordinator fills in a copy of the last metadata), or an empty one
+    to keep this save's plans in."""
     wrapper = _DistWrapper(group, dist.is_available() and dist.is_initialized(), 0)
     metadata: Metadata | None = None
 
@@ -144,7 +151,15 @@ def save_state_dict(state_dict: dict[str, Any], writer: FramedFileSystemWriter, 
         plans, metadata = planner.create_global_plan(plans)
         return writer.prepare_global_plan(plans)
 
-    plan = wrapper.reduce_scatter("plan", local_step, global_step)
+    if memo is not None and memo.plan is not None:
+        planner.set_up_planner(state_dict, writer.storage_meta(), wrapper.is_coordinator)
+        writer.set_up_storage_writer(wrapper.is_coordinator, rank=wrapper.rank, use_collectives=True)
+        plan = memo.plan
+        metadata = memo.fresh_metadata() if wrapper.is_coordinator else None
+    else:
+        plan = wrapper.reduce_scatter("plan", local_step, global_step)
+        if memo is not None:
+            memo.plan, memo.metadata = plan, metadata
 
     def write() -> list[WriteResult]:
         written = writer.write_data(planner.finish_plan(plan), planner)

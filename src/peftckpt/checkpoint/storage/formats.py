@@ -25,9 +25,16 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..checks.integrity import DCP_METADATA_FILENAME, dcp_problems, storage_problems, unwritten_pieces
+from ..checks.integrity import (
+    DCP_METADATA_FILENAME,
+    dcp_problems,
+    held_pieces,
+    storage_problems,
+    stored_structure,
+    unwritten_pieces,
+)
 from ..errors import CheckpointError, CheckpointFormatError
-from ..faults import fault_point
+from ..faults import fault_hook, fault_point
 from ..gc_pause import paused_gc
 from ..options import SaveOptions
 from ..snapshot import copy_objects, host_copy, unchanged_since
@@ -37,6 +44,7 @@ from .dcp_writer import FramedFileSystemWriter, save_state_dict
 from .key_listing import KeyListing, list_dcp_keys, list_legacy_keys
 from .legacy import LegacyRankFile, rank_file, save_rank_file
 from .manifest import TORCH, TORCH_DIST, Manifest
+from .plan_memo import PlanMemo
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import load_dcp_metadata
 
@@ -71,6 +79,8 @@ class WriteJob:
     after_write: Callable[[], None] | None = None
     """Run by an async save's thread once this rank's files are written (the hand-over to the location, the
     commit)."""
+    plans: PlanMemo | None = None
+    """The plans of the last save laid out like this one, to reuse (or an empty memo to keep this one's in)."""
 
 
 @dataclass
@@ -132,11 +142,12 @@ class StorageFormat(Protocol):
         ...
 
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
-                         held: Mapping[str, list[tuple[int, list[int], list[int]]]],
-                         stored: Mapping[str, int] | None = None, metadata: Any = None) -> list[str]:
-        """Why the written staging directory is not a whole checkpoint (rank 0, before the commit). ``stored``:
-        the sizes of the files as uploaded to an object store (else the files in ``staging`` are examined);
-        ``metadata``: what the write recorded of its files, if it kept it (else it is read back)."""
+                         plans: PlanMemo, stored: Mapping[str, int] | None = None, metadata: Any = None) -> list[str]:
+        """Why the written staging directory is not a whole checkpoint (rank 0, before the commit): ``plans``
+        holds the pieces every rank had to write (and keeps the checks of the planned entries, reused by the next
+        save laid out the same way). ``stored``: the sizes of the files as uploaded to an object store (else the
+        files in ``staging`` are examined); ``metadata``: what the write recorded of its files, if it kept it
+        (else it is read back)."""
         ...
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
@@ -191,10 +202,10 @@ class TorchDistFormat:
         writer = FramedFileSystemWriter(job.staging, sync_files=False)
         # Checksum each file as it is written (overlapping I/O and hashing).
         writer.fs = c.checksums = ChecksummingFileSystem()
-        planner = EntrySavePlanner(on_item=lambda: fault_point("data", job.rank, job.iteration))
+        planner = EntrySavePlanner(on_item=fault_hook("data", job.rank, job.iteration))
         if not job.options.async_save:
             with no_zip_crc32():  # for objects, and any tensor the framing leaves to torch.save
-                c.metadata = save_state_dict(job.flat, writer, planner, job.group)
+                c.metadata = save_state_dict(job.flat, writer, planner, job.group, job.plans)
             return c
         # Training is blocked only for the copy to host memory (or, deferred, not even for that: the copy runs
         # first in the thread, and `snapshot_taken` tells the caller's fence when it is done); DCP plans and
@@ -230,7 +241,7 @@ class TorchDistFormat:
             release.wait()
             snapshot, _, check_frozen_unchanged = take()
             with paused_gc():  # not while waiting for the snapshot: training runs then, collecting as usual
-                result = c.metadata = save_state_dict(snapshot, writer, planner, group)
+                result = c.metadata = save_state_dict(snapshot, writer, planner, group, job.plans)
                 check_frozen_unchanged()
                 if job.after_write is not None:
                     job.after_write()  # the hand-over (a store uploads), then the commit
@@ -246,13 +257,19 @@ class TorchDistFormat:
         return sorted(staging.glob(f"__{rank}_*"))
 
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
-                         held: Mapping[str, list[tuple[int, list[int], list[int]]]],
-                         stored: Mapping[str, int] | None = None, metadata: Any = None) -> list[str]:
+                         plans: PlanMemo, stored: Mapping[str, int] | None = None, metadata: Any = None) -> list[str]:
         try:
             if metadata is None:
                 metadata = load_dcp_metadata(staging / DCP_METADATA_FILENAME)
-            return storage_problems(staging, metadata, dict(files), dict(saved_keys), stored) + unwritten_pieces(
-                metadata, dict(held))
+            planned = plans.metadata is not None and metadata.state_dict_metadata is plans.metadata.state_dict_metadata
+            structure = plans.structure if planned else None
+            if structure is None:
+                structure = stored_structure(metadata, staging)
+                structure.unwritten = unwritten_pieces(metadata, held_pieces(plans.planned))
+                if planned:
+                    plans.structure = structure
+            return storage_problems(staging, metadata, dict(files), dict(saved_keys), stored,
+                                    structure) + list(structure.unwritten or [])
         except CheckpointError as e:  # e.g. the staging directory was removed under the save
             return [str(e)]
 
@@ -309,8 +326,7 @@ class LegacyTorchFormat:
         return [own] if own.is_file() and coords.get("dp", 0) == 0 else []
 
     def written_problems(self, staging: Path, files: Mapping[str, Any], saved_keys: Mapping[str, Any],
-                         held: Mapping[str, list[tuple[int, list[int], list[int]]]],
-                         stored: Mapping[str, int] | None = None, metadata: Any = None) -> list[str]:
+                         plans: PlanMemo, stored: Mapping[str, int] | None = None, metadata: Any = None) -> list[str]:
         return []  # each file is one rank's whole state; the manifest's checksums cover them
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],

@@ -148,9 +148,17 @@ def tensor_record(tensor: torch.Tensor) -> TensorRecord | None:
     return _record(tensor.dtype, tuple(tensor.shape))
 
 
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool})
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    flat = tensor.detach().reshape(-1)
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.ndim and tensor.dtype in _NUMPY_DTYPES:  # one call fewer than the byte view (a tenth of a small save)
+        return memoryview(cast(Any, tensor.numpy())).cast("B") if tensor.numel() else memoryview(b"")
+    flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(cast(Any, flat.view(torch.uint8).numpy())).cast("B")
@@ -177,7 +185,7 @@ class IndexedItem:
 
     def to_json(self) -> list[Any]:
         return [self.offset, self.length, self.data_offset, self.data_length,
-                b"".join(d.to_bytes(8, "little") for d in self.digests).hex()]
+                struct.pack(f"<{len(self.digests)}Q", *self.digests).hex()]
 
 
 def block_digests(data: memoryview) -> list[int]:

@@ -167,10 +167,12 @@ class Manifest:
 SELF_CHECKSUM_KEY = "manifest_sha256"
 
 
+_ENCODE = json.JSONEncoder(sort_keys=True, allow_nan=False).encode
+
+
 def _lines(body: Mapping[str, Any]) -> str:
     """``body`` as JSON, a field per line and (for a mapping) an entry per line below it."""
-    def value(v: Any) -> str:
-        return json.dumps(v, sort_keys=True, allow_nan=False)
+    value = _ENCODE  # one encoder for every value (json.dumps builds one per call given options)
 
     def field_text(key: str, v: Any) -> str:
         if isinstance(v, dict) and v and all(isinstance(k, str) for k in v):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
 from ...sharding.entries import GlobalTensor, LazyGlobalTensor
 
@@ -27,6 +27,16 @@ class EntrySavePlanner(DefaultSavePlanner):
         """Called as each item is fetched for writing (fault injection)."""
         self._streamed: torch.Tensor | None = None
         """The tensor a lazy entry produced for the item being written (see :meth:`_release_streamed`)."""
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        # The pieces of an entry as they are (DCP's default looks them up and "transforms" every item).
+        obj = self.state_dict.get(write_item.index.fqn)
+        if type(obj) is GlobalTensor:
+            if self._on_item is not None:
+                self._on_item()
+            self._release_streamed()
+            return obj.__get_tensor_shard__(write_item.index)
+        return super().resolve_data(write_item)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         if self._on_item is not None:

@@ -1,0 +1,69 @@
+"""What a save's layout determined, kept for the next save laid out the same way.
+
+A training run saves the same entries -- the same keys, global shapes, dtypes and pieces on every rank -- at
+every checkpoint; only the values change. Everything DCP and the commit derive from the layout alone is then the
+same as last time: the ranks' gathered pieces and their tiling check, DCP's local and global plans (deduplication
+of replicated pieces included) and its metadata of the entries, and the commit's checks of those entries. At one
+checkpoint per step, recomputing them cost more than writing an adapter's bytes (two thirds of a 2688-tensor
+trainable-only save).
+
+A :class:`PlanMemo` holds them. A save reuses the last one's only where every rank agrees its layout equals the
+last save's (:func:`layout_of`, compared on each rank, then one ``all_true``) and the last save was committed;
+otherwise it starts an empty one that the save fills in as it goes. What a save writes and checks of its *data* --
+every byte, the files' checksums and digests, every storage item's range inside its file -- is never reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+from ...sharding.entries import GlobalTensor
+from ..checks.integrity import StoredStructure
+
+__all__ = ["PlanMemo", "layout_of"]
+
+
+def layout_of(flat: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """This rank's layout of a save's entries, as two parts: ``{key: (global shape, [(offsets, sizes), ...])}``
+    of its global tensors (what the ranks gather for the tiling check) and, per entry, what else DCP plans
+    with: a global tensor's dtype, a plain tensor's shape and dtype, an object's type."""
+    pieces: dict[str, Any] = {}
+    rest: list[Any] = []
+    for key, value in flat.items():
+        if isinstance(value, GlobalTensor):
+            pieces[key] = (list(value.global_shape), [(list(p.offsets), list(p.tensor.shape)) for p in value.pieces])
+            rest.append((key, value.dtype))
+        elif isinstance(value, torch.Tensor):
+            rest.append((key, value.dtype, tuple(value.shape), type(value)))
+        else:
+            rest.append((key, type(value)))
+    return pieces, rest
+
+
+@dataclass
+class PlanMemo:
+    """One save's layout and what was derived from it (see the module docstring)."""
+
+    layout: tuple[dict[str, Any], list[Any]]
+    """This rank's :func:`layout_of` the save's entries."""
+    planned: list[dict[str, Any]] = field(default_factory=list)
+    """Every rank's pieces, gathered and checked to tile each tensor exactly once."""
+    plan: SavePlan | None = None
+    """This rank's final DCP plan (after the coordinator's global planning)."""
+    metadata: Metadata | None = None
+    """The coordinator's DCP metadata as planned: the entries (``state_dict_metadata``) and planner data, before
+    any write filled in where the items are stored."""
+    structure: StoredStructure | None = None
+    """The commit's checks of ``metadata``'s entries (coordinator)."""
+
+    def fresh_metadata(self) -> Metadata:
+        """A metadata for this save's write to fill in: the planned entries, no storage items yet."""
+        assert self.metadata is not None
+        return Metadata(state_dict_metadata=self.metadata.state_dict_metadata,
+                        planner_data=self.metadata.planner_data)

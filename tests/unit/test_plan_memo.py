@@ -1,0 +1,132 @@
+"""Saves laid out like the last committed one reuse its plans (the ranks' gathered pieces and their tiling check,
+DCP's plans and metadata of the entries, the commit's checks of those entries): every such checkpoint is still
+whole, verified and readable by stock DCP with the values of its own save. Any change of layout -- a shape, a
+dtype, an object that became a tensor, an entry more -- and any save after a failed one plans afresh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
+from peftckpt.checkpoint.errors import CheckpointError
+from peftckpt.checkpoint.faults import FAULT_ENV
+from peftckpt.checkpoint.storage.plan_memo import PlanMemo
+from peftckpt.checkpoint.tools.verify import verify_checkpoint
+from tests.integration.cli import read_dcp_tensors
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+KW = dict(layout={"tp": 1, "pp": 1, "dp": 1, "vpp": 1}, coords={"tp": 0, "pp": 0, "dp": 0},
+          model_config={"width": 16})
+TRAINABLE = SaveOptions(trainable_only=True)
+
+
+def _run(head: int = 4, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, head)).to(dtype)
+    model[0].requires_grad_(False)
+    return model, torch.optim.AdamW(model[1].parameters(), lr=1e-2)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(2, 16, dtype=model[1].weight.dtype)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _plans(ckpt: Checkpointer) -> PlanMemo:
+    assert ckpt._saves.last is not None
+    return ckpt._saves.last.plans
+
+
+def _check(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """``path`` verifies, and stock DCP reads the adapter and its Adam moments as they were saved."""
+    assert verify_checkpoint(path).problems == []
+    stored = read_dcp_tensors(path)
+    torch.testing.assert_close(stored["model.1.weight"], model[1].weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(stored["optimizer.state.1.weight.exp_avg"], opt.state[model[1].weight]["exp_avg"],
+                               rtol=0, atol=0)
+    assert "model.0.weight" not in stored
+
+
+def test_saves_laid_out_alike_reuse_the_plans_and_stay_whole(tmp_path: Path) -> None:
+    model, opt = _run()
+    _step(model, opt)
+    ckpt = Checkpointer([model], opt, **KW)
+    first = ckpt.save(tmp_path, 1, {"iteration": 1}, TRAINABLE)
+    memo = _plans(ckpt)
+    assert memo.plan is not None and memo.metadata is not None and memo.structure is not None
+    _check(Path(first), model, opt)
+    for it in (2, 3):  # new values (a step), new object values: the same layout
+        _step(model, opt)
+        path = ckpt.save(tmp_path, it, {"iteration": it}, TRAINABLE)
+        assert _plans(ckpt) is memo
+        _check(Path(path), model, opt)
+    handle = ckpt.async_save(tmp_path, 4, {"iteration": 4}, TRAINABLE)  # async saves share the memo too
+    assert Path(handle.result()).name == "iter_0000004" and _plans(ckpt) is memo
+    _check(Path(handle.path), model, opt)
+
+    # A load of the reused-plan checkpoint restores exactly (its manifest and storage checks pass).
+    fresh, fresh_opt = _run()
+    Checkpointer([fresh], fresh_opt, **KW).load(tmp_path, LoadOptions(strictness="ignore_all"))
+    torch.testing.assert_close(fresh[1].weight, model[1].weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "object", "entry", "format", "full"])
+def test_a_changed_layout_is_planned_afresh(tmp_path: Path, change: str) -> None:
+    model, opt = _run()
+    _step(model, opt)
+    ckpt = Checkpointer([model], opt, **KW)
+    objects: dict[str, object] = {"iteration": 1}
+    ckpt.save(tmp_path, 1, objects, TRAINABLE)
+    memo = _plans(ckpt)
+    options = TRAINABLE
+    if change == "shape":  # the user swaps in a wider head (same modules, same optimizer)
+        model[1] = nn.Linear(16, 6)
+        opt.param_groups[0]["params"] = list(model[1].parameters())
+        opt.state.clear()
+        _step(model, opt)
+    elif change == "dtype":  # ... or casts it: the same parameters, another dtype
+        model[1].to(torch.float64)
+        opt.state.clear()
+        model[0].to(torch.float64)
+        _step(model, opt)
+    elif change == "object":
+        objects = {"iteration": torch.zeros(3)}
+    elif change == "entry":
+        objects = {"iteration": 1, "extra": 2}
+    elif change == "format":
+        options = SaveOptions(ckpt_format="torch")
+    else:
+        options = SaveOptions()
+    path = Path(ckpt.save(tmp_path, 2, objects, options))
+    assert _plans(ckpt) is not memo
+    if change == "format":
+        return
+    assert verify_checkpoint(path).problems == []
+    stored = read_dcp_tensors(path)
+    torch.testing.assert_close(stored["model.1.weight"], model[1].weight.detach(), rtol=0, atol=0)
+    assert stored["model.1.weight"].dtype == model[1].weight.dtype
+    assert ("model.0.weight" in stored) == (change == "full")
+    if change == "object":
+        assert torch.equal(stored["iteration"], torch.zeros(3))
+
+
+def test_a_save_after_a_failed_one_plans_afresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _run()
+    _step(model, opt)
+    ckpt = Checkpointer([model], opt, **KW)
+    monkeypatch.setenv(FAULT_ENV, "before_manifest:eio:iteration=1")
+    with pytest.raises(CheckpointError, match="injected I/O error"):
+        ckpt.save(tmp_path, 1, {"iteration": 1}, TRAINABLE)
+    failed = _plans(ckpt)
+    monkeypatch.delenv(FAULT_ENV)
+    path = ckpt.save(tmp_path, 2, {"iteration": 2}, TRAINABLE)
+    assert _plans(ckpt) is not failed
+    _check(Path(path), model, opt)
+    ckpt.save(tmp_path, 3, {"iteration": 3}, TRAINABLE)
+    assert _plans(ckpt) is not failed
