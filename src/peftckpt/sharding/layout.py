@@ -39,7 +39,9 @@ def fused_layouts(root: nn.Module) -> dict[str, FusedChunks]:
     """All fused declarations under ``root``, keyed by the parameter's full state-dict name."""
     found: dict[str, FusedChunks] = {}
     for prefix, module in root.named_modules():
-        for name, layout in getattr(module, FUSED_LAYOUTS_ATTR, {}).items():
+        # (declare_fused sets a plain attribute: read it from the instance dict, not through Module.__getattr__,
+        # which raises and catches an AttributeError for every module without one)
+        for name, layout in vars(module).get(FUSED_LAYOUTS_ATTR, {}).items():
             found[f"{prefix}.{name}" if prefix else name] = layout
     return found
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+from concurrent.futures import Future as ConcurrentFuture
 from typing import Any, cast
 
 import torch
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.futures import Future
 
 from .checksums import overlap_pool
-from .framing import BLOCK_BYTES, IndexedItem, block_digests, encode_index, tensor_bytes, tensor_record
+from .framing import IndexedItem, block_digests, encode_index, tensor_bytes, tensor_record
 from .plan_memo import PlanMemo
 
 __all__ = ["FramedFileSystemWriter", "save_state_dict"]
@@ -69,17 +70,20 @@ class FramedFileSystemWriter(FileSystemWriter):
         name = f"{prefix}0{DEFAULT_SUFFIX}"
         results: list[WriteResult] = []
         index: list[IndexedItem] = []
+        hashing: list[tuple[IndexedItem, ConcurrentFuture[list[int]]]] = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
             out = _Counting(stream)
             # Objects first, then tensors in plan order (as DCP's writer orders them).
             items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
             for item in items:
                 at = out.at
-                indexed = self._write_item(out, item, planner.resolve_data(item))
+                indexed = self._write_item(out, item, planner.resolve_data(item), hashing)
                 indexed.offset, indexed.data_offset = at, at + indexed.data_offset
                 index.append(indexed)
                 results.append(WriteResult(index=item.index, size_in_bytes=out.at - at,
                                            storage_data=_StorageInfo(name, at, out.at - at)))
+            for indexed, blocks in hashing:  # (taken on another core while the items were written)
+                indexed.digests[1:1] = blocks.result()
             out.write(encode_index(index))
             if self.sync_files:
                 stream.flush()
@@ -89,9 +93,12 @@ class FramedFileSystemWriter(FileSystemWriter):
         return future
 
     @staticmethod
-    def _write_item(out: _Counting, item: WriteItem, data: Any) -> IndexedItem:
+    def _write_item(out: _Counting, item: WriteItem, data: Any,
+                    hashing: list[tuple[IndexedItem, ConcurrentFuture[list[int]]]]) -> IndexedItem:
         """Write one item; its index record with offsets relative to the item's start. An object, and a tensor
-        left to ``torch.save``, is recorded as framing only (read whole, verified by one digest)."""
+        left to ``torch.save``, is recorded as framing only (read whole, verified by one digest). The block
+        digests of a large tensor are taken on another core while the file is written: its record and their
+        future are added to ``hashing`` (the block digests go between its framing digests)."""
         if item.type == WriteItemType.BYTE_IO:
             raw = memoryview(cast(io.BytesIO, data).getbuffer()).cast("B")
             out.write(raw)
@@ -116,13 +123,12 @@ class FramedFileSystemWriter(FileSystemWriter):
             out.write(b"".join((record.prefix, data_bytes, record.suffix)))
             return IndexedItem(0, record.length, len(record.prefix), record.nbytes,
                                [head, *block_digests(data_bytes), tail])
-        # The block digests of a large tensor are taken on another core while its bytes are written.
-        digests = overlap_pool().submit(block_digests, data_bytes) if len(data_bytes) >= BLOCK_BYTES else None
+        indexed = IndexedItem(0, record.length, len(record.prefix), record.nbytes, [head, tail])
+        hashing.append((indexed, overlap_pool().submit(block_digests, data_bytes)))
         out.write(record.prefix)
         out.write(data_bytes)
         out.write(record.suffix)
-        blocks = block_digests(data_bytes) if digests is None else digests.result()
-        return IndexedItem(0, record.length, len(record.prefix), record.nbytes, [head, *blocks, tail])
+        return indexed
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
