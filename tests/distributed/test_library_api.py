@@ -104,6 +104,13 @@ def _worker(rank: int, world: int, root: str, single: str) -> dict[str, Any]:
             out["lost"] = None
         except CheckpointError as e:
             out["lost"] = str(e)
+        try:  # the same refused by a deferred async save: found in its own thread, raised by its handle
+            handle = ckpt.async_save(Path(root) / "lost", 2, options=SaveOptions(trainable_only=True,
+                                                                              defer_snapshot=True))
+            handle.result()
+            out["lost_async"] = None
+        except CheckpointError as e:
+            out["lost_async"] = str(e)
         finally:
             api.model_entries = original  # type: ignore[assignment]
         # ... and the next saves, laid out as the last committed one on every rank, reuse its plans
@@ -148,6 +155,8 @@ def test_mesh_layouts_process_groups_and_per_rank_states(tmp_path: Path) -> None
         assert r["lost"] is not None and "would not make a whole checkpoint, so nothing was written" in r["lost"]
         assert "'model.0.weight' (shape [8, 4]): no rank holds offsets [4, 0] size [4, 4] (held: rank(s) 0: " \
                "offsets [0, 0] size [4, 4]); a wrapper that hides a rank's shard" in r["lost"], r["lost"]
+        assert r["lost_async"] is not None and "saving iteration 2 to " in r["lost_async"], r["lost_async"]
+        assert "no rank holds offsets [4, 0] size [4, 4]" in r["lost_async"], r["lost_async"]
         assert r["fused"] is not None and "'model.0.weight': rank(s) 0 hold offsets [6, 0] size [3, 4] and rank(s) 1 " \
             "offsets [6, 0] size [6, 4]: they overlap without being the same piece" in r["fused"], r["fused"]
         assert not (tmp_path / "fused" / "latest_checkpointed_iteration.txt").exists()

@@ -17,6 +17,7 @@ from torch import nn
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointError
 from peftckpt.checkpoint.location.directory import read_tracker
+from peftckpt.checkpoint.rank_parts import RankParts
 from peftckpt.checkpoint.storage import formats
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -165,6 +166,42 @@ def test_deferred_snapshot_overlaps_the_next_step_up_to_the_fence(tmp_path: Path
     assert fresh_ckpt.load(tmp_path, LoadOptions(objects=["iteration"])).iteration == 1
     for key, value in _state(fresh, fresh_opt).items():
         assert torch.equal(value, at_save[key]), key
+
+
+def test_a_deferred_save_builds_its_entries_in_its_own_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call takes the objects, the RNG state and the buffers as they are and returns before any entry is built;
+    the entries are built (and copied) in the save's thread while the next forward/backward runs, up to the fence;
+    the checkpoint holds the state of the call -- buffers and RNG state included."""
+    release = threading.Event()
+    built_on_main: list[bool] = []
+    model_sections = RankParts.model_sections
+
+    def held(self: RankParts) -> dict[str, dict[str, object]]:
+        built_on_main.append(threading.current_thread() is threading.main_thread())
+        assert built_on_main[-1] or release.wait(30), "the test never released the entries"
+        return model_sections(self)
+
+    monkeypatch.setattr(RankParts, "model_sections", held)
+    net, opt, ckpt = _trained()
+    at_save = _state(net, opt)
+    ckpt.save(tmp_path, 1, {"iteration": 1}, DEFERRED)
+    after_call = torch.rand(3)  # drawn after the call: a load of the checkpoint draws it again
+    net(torch.randn(4, 8)).square().sum().backward()  # the next forward (its buffer update) and backward
+    fenced = threading.Thread(target=ckpt.snapshot_fence)
+    fenced.start()
+    fenced.join(0.3)
+    assert fenced.is_alive() and built_on_main == [False]
+    release.set()
+    fenced.join(30)
+    assert not fenced.is_alive()
+    opt.step()
+    opt.zero_grad()
+    ckpt.wait()
+    fresh, fresh_opt, fresh_ckpt = _trained(seed=7)
+    fresh_ckpt.load(tmp_path)
+    for key, value in _state(fresh, fresh_opt).items():
+        assert torch.equal(value, at_save[key]), key
+    assert torch.equal(torch.rand(3), after_call)
 
 
 def test_a_step_before_the_fence_discards_the_deferred_save(tmp_path: Path, held_snapshot: threading.Event) -> None:

@@ -102,8 +102,8 @@ class Checkpointer:
                    options: SaveOptions | None = None, args: Mapping[str, Any] | None = None) -> PendingSave:
         """:meth:`save` in the background: returns once this rank's state is copied to host memory (frozen
         parameters excepted, see :func:`~peftckpt.checkpoint.snapshot.host_copy`; with
-        ``SaveOptions(defer_snapshot=True)`` not even that, see :meth:`snapshot_fence`), and is committed in its
-        own thread once every rank has written it. At most one save is in flight: a second one first commits the
+        ``SaveOptions(defer_snapshot=True)`` at once, its entries built and copied in the save's own thread, see
+        :meth:`snapshot_fence`), and is committed in its own thread once every rank has written it. At most one save is in flight: a second one first commits the
         first. The legacy format is written at once (the handle is done)."""
         return self._saves.async_save(save_dir, iteration, objects or {}, options or SaveOptions(), args or {})
 

@@ -26,10 +26,12 @@ class SaveOptions:
     collectives run on the background save's own process group); :meth:`Checkpointer.poll`,
     :meth:`Checkpointer.wait` or the next save report it (at most one save in flight)."""
     defer_snapshot: bool = False
-    """With ``async_save``: the copy to host memory runs in the background too, so the save call returns at
-    once and the copy overlaps the next forward/backward. The caller must call
-    :meth:`Checkpointer.snapshot_fence` before anything modifies trainable parameters, optimizer state or
-    buffers (the optimizer step); a tensor modified before the copy finished discards the save with an error."""
+    """With ``async_save`` (``torch_dist``): the call takes only the objects, the RNG state, a copy of the model's
+    buffers and the version counters of the tensors training updates, and returns; the entries are built, agreed
+    across ranks and copied to host memory in the save's own thread, overlapping the next forward/backward. The
+    caller must call :meth:`Checkpointer.snapshot_fence` before anything modifies trainable parameters, the
+    optimizer's state or its hyper-parameters (the optimizer step); a tensor modified before the copy finished
+    discards the save with an error. What the save refuses is raised by the next save, wait or ``result()``."""
 
 
 @dataclass

@@ -71,9 +71,11 @@ class RankParts:
         return value
 
     def build(self, trainable_only: bool, with_optim: bool, objects: Mapping[str, Any] | None = None,
-              with_rng: bool = False, sections: dict[str, dict[str, Any]] | None = None) -> RankState:
+              with_rng: bool = False, sections: dict[str, dict[str, Any]] | None = None,
+              rng: dict[str, Any] | None = None) -> RankState:
         """This rank's state (:func:`~peftckpt.checkpoint.state.builder.build_state`): what a save writes, and
-        (its tensors) what a load of the same kind requests (``sections``: the model sections, if at hand)."""
+        (its tensors) what a load of the same kind requests (``sections``: the model sections, if at hand;
+        ``rng``: the RNG state to save, if taken earlier)."""
         return build_state(self.model_sections() if sections is None else sections, self.optimizer, self.chunks,
                            self.rank, trainable_only=trainable_only, with_optim=with_optim, objects=objects,
-                           with_rng=with_rng)
+                           with_rng=with_rng, rng=rng)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,15 +24,17 @@ from .checks.integrity import plan_problems
 from .collectives import Collectives
 from .commit import PendingCommit, commit_checkpoint, hand_over_files
 from .errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, unwrap_dcp_error
+from .gc_pause import paused_gc
 from .location import protocol
 from .location.base import Held, Location, SaveTarget
 from .location.locate import locate
 from .location.names import iteration_dirname
 from .options import SaveOptions
 from .rank_parts import RankParts
-from .state.sections import OPTIMIZER, RNG_STATE, STATES, model_section_names, state_key
+from .snapshot import take_call_state, unchanged_since_call, with_buffers_at_call
+from .state.sections import OPTIMIZER, RNG_STATE, STATES, model_section_names, rng_entry, state_key
 from .state.trainable import TORCH_DIST
-from .storage.formats import StorageFormat, WriteJob, storage_format
+from .storage.formats import StorageFormat, WriteJob, Written, storage_format
 from .storage.plan_memo import PlanMemo, layout_of
 
 __all__ = ["Saves", "PendingSave"]
@@ -91,6 +95,8 @@ class Saves:
         """Host copies of the last async save's mutable tensors, reused by the next one."""
         self.locks: dict[Location, Held] = {}
         """Save locations this checkpointer locked (rank 0 only), held until :meth:`close`."""
+        self.worker: ThreadPoolExecutor | None = None
+        """The thread deferred async saves run in (started by the first, ended by :meth:`close`)."""
 
     def save(self, save_dir: str | os.PathLike[str], iteration: int, objects: Mapping[str, Any],
              options: SaveOptions, args: Mapping[str, Any]) -> Path | str:
@@ -109,12 +115,15 @@ class Saves:
         """
         location = _save_location(save_dir)
         self.wait()  # at most one save in flight; an earlier async failure surfaces here
-        # 1.
         fmt = storage_format(options.ckpt_format, "SaveOptions.ckpt_format")
-        commit, flat = self._entries(location, iteration, objects, options, fmt)
-        commit.args = dict(args)
+        commit = self._commit_record(location, iteration, options, args)
+        objects, object_names = self._objects(objects)
+        if options.async_save and options.defer_snapshot and fmt.writes_async:
+            return self._save_in_background(commit, objects, object_names, fmt)
+        # 1.
+        flat = self._entries(commit, objects, object_names, fmt, self.comm, self.last)
         # 2.
-        commit.target = self._begin(location, iteration)
+        commit.target = self._begin(location, iteration, self.comm)
         # 3.
         p = self.parts
         error: BaseException | None = None
@@ -141,6 +150,50 @@ class Saves:
             commit_checkpoint(self.comm, commit)
         return location.ref(iteration_dirname(iteration))
 
+    def _save_in_background(self, commit: PendingCommit, objects: dict[str, Any], object_names: list[str],
+                            fmt: StorageFormat) -> Path | str:
+        """A deferred async save (``SaveOptions(defer_snapshot=True)``): the call takes only what training may
+        change before the optimizer step -- the objects, the RNG state, the model's buffers, the version of
+        every tensor the step updates (:func:`~peftckpt.checkpoint.snapshot.take_call_state`) -- and returns.
+        Steps 1-5 run in the save's own thread, their collectives on its own group: the entries are built and
+        copied to host memory before :meth:`snapshot_fence` returns, then written and committed."""
+        p = self.parts
+        last = self.last
+        group = self._async_group()  # (created here: a new group is a collective of the main thread's)
+        call = take_call_state(p.chunks, p.optimizer)
+        rng = rng_entry() if commit.options.save_rng else None
+        taken = threading.Event()
+        commit.written = Written(snapshot_taken=taken)
+
+        def save() -> None:
+            try:
+                comm = Collectives(group)
+                flat = with_buffers_at_call(self._entries(commit, objects, object_names, fmt, comm, last, rng), call)
+                commit.target = self._begin(commit.location, commit.iteration, comm)
+                unchanged = unchanged_since_call(flat, call, "Checkpointer.snapshot_fence()")
+
+                def on_snapshot() -> None:  # what was copied must be what the call saw; then the fence opens
+                    try:
+                        unchanged()
+                    finally:
+                        taken.set()
+
+                with paused_gc():
+                    written = fmt.write(WriteJob(
+                        flat, commit.staging, commit.iteration, commit.options, p.rank, p.coords, p.layout, comm.group,
+                        p.chunks, p.optimizer, self.host_buffers, plans=commit.plans, on_snapshot=on_snapshot))
+                    commit.written.checksums, commit.written.metadata = written.checksums, written.metadata
+                    hand_over_files(commit, p.rank)
+                    commit_checkpoint(comm, commit)
+            finally:
+                taken.set()  # (a failure before the copy must not hold the fence)
+
+        if self.worker is None:  # one thread for every deferred save (starting one per save blocked ~1 ms)
+            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
+        commit.written.future = self.worker.submit(save)
+        self.pending = self.last = commit
+        return commit.location.ref(iteration_dirname(commit.iteration))
+
     def _after_write(self, commit: PendingCommit) -> Callable[[], None]:
         """What an async save's thread does once this rank's files are written: hand them over (a store uploads
         them), then commit -- the commit's collectives on the background save's own group, so training never waits
@@ -151,21 +204,34 @@ class Saves:
             commit_checkpoint(Collectives(self.async_pg), commit)
         return after_write
 
-    def _entries(self, location: Location, iteration: int, objects: Mapping[str, Any], options: SaveOptions,
-                 fmt: StorageFormat) -> tuple[PendingCommit, dict[str, Any]]:
-        """Save step 1 (collective): this rank's entries and the records of the commit to come, refused on
-        every rank -- before anything is written -- unless every rank's pieces tile each tensor exactly once."""
+    def _commit_record(self, location: Location, iteration: int, options: SaveOptions,
+                       args: Mapping[str, Any]) -> PendingCommit:
+        """The record of the save about to start; step 1 fills in its entries' records, step 2 its target."""
+        p = self.parts
+        return PendingCommit(location=location, target=SaveTarget(iteration, "", Path()), options=options,
+                             kept={}, excluded={}, plans=PlanMemo(({}, [])), sections=[], fingerprint=None,
+                             layout=p.layout, coords=p.coords, model_config=p.model_config,
+                             adapter_config=p.adapter_config, args=dict(args))
+
+    def _objects(self, objects: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """The caller's objects and the checkpointer's states (their state as of now), and their section names."""
         p = self.parts
         clash = sorted(set(objects) & set(p.states))
         if clash:
             raise ValueError(f"objects {clash} have the names of the checkpointer's states")
-        object_names = list(objects) + [f"{STATES}.{name}" for name in p.states]
-        objects = {**objects, **{state_key(name, p.rank): obj.state_dict() for name, obj in p.states.items()}}
+        names = list(objects) + [f"{STATES}.{name}" for name in p.states]
+        return {**objects, **{state_key(name, p.rank): obj.state_dict() for name, obj in p.states.items()}}, names
+
+    def _entries(self, commit: PendingCommit, objects: dict[str, Any], object_names: list[str], fmt: StorageFormat,
+                 comm: Collectives, last: PendingCommit | None, rng: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Save step 1 (collective over ``comm``): this rank's entries, their records filled into ``commit``,
+        refused on every rank -- before anything is written -- unless every rank's pieces tile each tensor
+        exactly once. ``last``: the previous save, whose plans are reused where the layout is the same; ``rng``:
+        the RNG state taken at the call (else it is taken now)."""
+        p = self.parts
+        options = commit.options
         error: BaseException | None = None
         flat: dict[str, Any] = {}
-        kept: dict[str, Any] = {}
-        excluded: dict[str, Any] = {}
-        fingerprint: str | None = None
         held: dict[str, dict[str, Any]] = {}
         try:
             if p.states and not fmt.holds_states:
@@ -177,51 +243,46 @@ class Saves:
                     f"{fmt.name!r} (legacy torch checkpoints lose requires_grad, so every tensor would be "
                     "dropped); nothing was written")
             held = p.model_sections()
-            state = p.build(options.trainable_only, options.save_optim, objects, options.save_rng, held)
-            flat, kept, excluded = state.entries, state.kept, state.excluded
-            fingerprint = p.fingerprint() if options.trainable_only else None
+            state = p.build(options.trainable_only, options.save_optim, objects, options.save_rng, held, rng)
+            flat, commit.kept, commit.excluded = state.entries, state.kept, state.excluded
+            commit.fingerprint = p.fingerprint() if options.trainable_only else None
         except CheckpointError as e:
             error = e
-        self.comm.agree(error)
-        plans = self._plans(flat, fmt)
+        comm.agree(error)
+        plans = commit.plans = self._plans(flat, fmt, comm, last)
         if not plans.planned:  # a layout not saved (and committed) just before: the ranks' pieces are checked
-            plans.planned = self.comm.gather(plans.layout[0])
+            plans.planned = comm.gather(plans.layout[0])
             problems = plan_problems(plans.planned)
             if problems:  # the same on every rank
-                refused = CheckpointIntegrityError(f"saving iteration {iteration} to {location.text}: the ranks' "
-                                                   "pieces would not make a whole checkpoint, so nothing was "
+                refused = CheckpointIntegrityError(f"saving iteration {commit.iteration} to {commit.where}: the "
+                                                   "ranks' pieces would not make a whole checkpoint, so nothing was "
                                                    "written:\n  " + "\n  ".join(problems))
                 refused.every_rank = True
                 raise refused
             if options.trainable_only:
                 trainable = any(v.requires_grad for sec in held.values() for v in sec.values()
                                 if isinstance(v, GlobalTensor))
-                if not any(self.comm.gather(trainable)) and p.rank == 0:
+                if not any(comm.gather(trainable)) and p.rank == 0:
                     warnings.warn("SaveOptions(trainable_only=True): no model parameter is trainable, so this "
-                                  "checkpoint holds no model parameters (buffers only, if any)", stacklevel=3)
-        sections = model_section_names(len(p.chunks)) + (
+                                  "checkpoint holds no model parameters (buffers only, if any)", stacklevel=4)
+        commit.sections = model_section_names(len(p.chunks)) + (
             [OPTIMIZER] if options.save_optim and p.optimizer is not None else []) + (
             [RNG_STATE] if options.save_rng else []) + object_names
-        # `target` is set by step 2, once it exists.
-        commit = PendingCommit(location=location, target=SaveTarget(iteration, "", Path()), options=options,
-                               kept=kept, excluded=excluded, plans=plans, sections=sections,
-                               fingerprint=fingerprint, layout=p.layout, coords=p.coords,
-                               model_config=p.model_config, adapter_config=p.adapter_config)
-        return commit, flat
+        return flat
 
-    def _plans(self, flat: dict[str, Any], fmt: StorageFormat) -> PlanMemo:
+    @staticmethod
+    def _plans(flat: dict[str, Any], fmt: StorageFormat, comm: Collectives, last: PendingCommit | None) -> PlanMemo:
         """The last save's plan memo if every rank's entries are laid out as they were in it and it committed
         (collective), else an empty one for this save (:mod:`~peftckpt.checkpoint.storage.plan_memo`)."""
         layout = layout_of(flat)
-        last = self.last
         same = (last is not None and last.committed and last.error is None and last.options.ckpt_format == fmt.name
                 and last.plans.layout == layout)
-        if self.comm.all_true(same):
+        if comm.all_true(same):
             assert last is not None
             return last.plans
         return PlanMemo(layout)
 
-    def _begin(self, location: Location, iteration: int) -> SaveTarget:
+    def _begin(self, location: Location, iteration: int, comm: Collectives) -> SaveTarget:
         """Save step 2 (collective): rank 0 locks the location and cleans what interrupted saves left; all ranks
         get where this save writes."""
         target: SaveTarget | None = None
@@ -236,12 +297,12 @@ class Saves:
                 protocol.claim(location, target.local.name)  # on a store, its node-local spool too
             except (CheckpointError, OSError) as e:
                 error = e
-        self.comm.agree(error, f"saving iteration {iteration} to {location.text} failed")
-        target = self.comm.broadcast_from_first(target)
+        comm.agree(error, f"saving iteration {iteration} to {location.text} failed")
+        target = comm.broadcast_from_first(target)
         assert target is not None
         if not target.local.is_dir():  # another host's ranks: their own node-local staging
             target.local.mkdir(parents=True, exist_ok=True)
-        self.comm.barrier()
+        comm.barrier()
         return target
 
     def _async_group(self) -> dist.ProcessGroup | None:
@@ -313,6 +374,9 @@ class Saves:
                 held.release()
             self.locks.clear()
             self.host_buffers = {}
+            if self.worker is not None:
+                self.worker.shutdown(wait=False)  # (idle: wait() above finished its save)
+                self.worker = None
             if self.async_pg is not None:
                 dist.destroy_process_group(self.async_pg)
                 self.async_pg = None

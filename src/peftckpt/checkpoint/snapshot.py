@@ -1,20 +1,26 @@
 """Async saves: the host snapshot of what training may touch while the background write runs.
 
-Training is blocked only for :func:`host_copy` (or, with a deferred snapshot, for :func:`copy_objects`); DCP
-plans and writes in a thread of its own, and the checkpoint is committed once every rank finished writing.
+Training is blocked only for :func:`host_copy` (or, with a deferred snapshot, for :func:`take_call_state`: the
+entries are then built and copied in the save's own thread); DCP plans and writes in a thread of its own, and the
+checkpoint is committed once every rank finished writing.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..sharding.entries import GlobalTensor
-from .errors import CheckpointError
-from .state.sections import MODEL
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["host_copy", "copy_objects", "unchanged_since"]
+from ..sharding.entries import GlobalTensor, Piece
+from .errors import CheckpointError
+from .state.sections import MODEL, ensure_optimizer_state
+
+__all__ = ["host_copy", "CallState", "take_call_state", "with_buffers_at_call", "unchanged_since_call"]
 
 
 def host_copy(flat: Mapping[str, Any], previous: Mapping[str, GlobalTensor]
@@ -53,21 +59,81 @@ def _unmodified(flat: Mapping[str, Any], frozen: bool, says: Callable[[int, str]
     return check
 
 
-def copy_objects(flat: Mapping[str, Any]) -> dict[str, Any]:
+@dataclass
+class CallState:
     """What a deferred snapshot (:attr:`~peftckpt.checkpoint.options.SaveOptions.defer_snapshot`) takes before the
-    save call returns: ``flat`` with its objects (anything not a tensor entry) deep-copied, and the model's
-    buffers copied -- a forward pass may update them (running statistics, counters), and they are small; the
-    parameters and the optimizer state, which change only at the optimizer step, are copied later."""
-    def now(key: str, v: GlobalTensor) -> bool:
-        return key.startswith(MODEL + ".") and not v.frozen and not v.requires_grad
-    return {k: (v.snapshot() if now(k, v) else v) if isinstance(v, GlobalTensor) else copy.deepcopy(v)
-            for k, v in flat.items()}
+    save call returns, so that entries built later in the save's thread still save the state of the call: the
+    model's buffers, copied (a forward pass may update them: running statistics, counters; they are small), and
+    the version counter of every tensor training updates in place (trainable parameters, optimizer state), by the
+    storage they live in. The parameters and the optimizer state change only at the optimizer step, which waits
+    for the copy (:meth:`~peftckpt.checkpoint.api.Checkpointer.snapshot_fence`)."""
+
+    buffers: dict[tuple[int, int, tuple[int, ...]], torch.Tensor]
+    """A copy of each buffer, by ``(storage address, storage offset, shape)`` of its live tensor."""
+    versions: dict[int, int]
+    """Version counter of each tensor training updates, by storage address (views share their base's)."""
 
 
-def unchanged_since(flat: Mapping[str, Any], fence: str) -> Callable[[], None]:
+def _key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    return t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def take_call_state(chunks: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> CallState:
+    """The :class:`CallState` of a deferred snapshot, taken in the save call (one walk over the parameters and
+    buffers, no entry built)."""
+    buffers = {}
+    versions = {}
+    for chunk in chunks:
+        for module in chunk.modules():  # (one walk for both; a shared tensor is seen twice, harmlessly)
+            for b in module._buffers.values():
+                if b is not None:
+                    live = _local(b).detach()
+                    buffers[_key(live)] = live.clone()
+            for p in module._parameters.values():
+                if p is not None and p.requires_grad:
+                    live = _local(p)
+                    versions[live.untyped_storage().data_ptr()] = live._version
+    if optimizer is not None:
+        ensure_optimizer_state(optimizer)  # (created now, as a save without a step creates them)
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    live = _local(v)
+                    versions[live.untyped_storage().data_ptr()] = live._version
+    return CallState(buffers, versions)
+
+
+def _is_buffer(key: str, v: GlobalTensor) -> bool:
+    return key.startswith(MODEL + ".") and not v.frozen and not v.requires_grad
+
+
+def with_buffers_at_call(flat: dict[str, Any], call: CallState) -> dict[str, Any]:
+    """``flat`` with the pieces of the model's buffers replaced by their copies taken at the call."""
+    for key, v in flat.items():
+        if isinstance(v, GlobalTensor) and _is_buffer(key, v):
+            flat[key] = GlobalTensor(v.global_shape, v.dtype, [Piece(p.offsets, call.buffers.get(_key(p.tensor), p.tensor))
+                                                                for p in v.pieces], v.requires_grad, v.replicated)
+    return flat
+
+
+def unchanged_since_call(flat: Mapping[str, Any], call: CallState, fence: str) -> Callable[[], None]:
     """A check, to run once a deferred snapshot is copied, that no tensor training updates (trainable
-    parameters, optimizer state, buffers) of ``flat`` was modified in place since this call: else the copy may
-    mix two steps, and the save is discarded with an error that says what to call first (``fence``)."""
-    return _unmodified(flat, frozen=False, says=lambda count, names: (
-        f"{count} tensor(s) were modified in place before an async save had copied them ({names}): the save is "
-        f"discarded. Call {fence} before the optimizer step (or anything else that changes them)"))
+    parameters, optimizer state) of ``flat`` was modified in place since the call: else the copy may mix two
+    steps, and the save is discarded with an error that says what to call first (``fence``)."""
+    pieces = [(k, p.tensor, call.versions.get(p.tensor.untyped_storage().data_ptr()))
+              for k, v in flat.items() if isinstance(v, GlobalTensor) and not v.frozen and not _is_buffer(k, v)
+              for p in v.pieces]
+
+    def check() -> None:
+        changed = sorted({k for k, t, version in pieces if version is not None and t._version != version})
+        if changed:
+            raise CheckpointError(
+                f"{len(changed)} tensor(s) were modified in place before an async save had copied them "
+                f"({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}): the save is discarded. Call "
+                f"{fence} before the optimizer step (or anything else that changes them)")
+
+    return check

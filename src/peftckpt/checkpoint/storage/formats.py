@@ -37,7 +37,7 @@ from ..errors import CheckpointError, CheckpointFormatError
 from ..faults import fault_hook, fault_point
 from ..gc_pause import paused_gc
 from ..options import SaveOptions
-from ..snapshot import copy_objects, host_copy, unchanged_since
+from ..snapshot import host_copy
 from .checksums import ChecksummingFileSystem
 from .dcp_reader import RangedFileSystemReader
 from .dcp_writer import FramedFileSystemWriter, save_state_dict
@@ -81,6 +81,9 @@ class WriteJob:
     commit)."""
     plans: PlanMemo | None = None
     """The plans of the last save laid out like this one, to reuse (or an empty memo to keep this one's in)."""
+    on_snapshot: Callable[[], None] | None = None
+    """Set by a save that runs in a thread of its own (a deferred snapshot): the format copies the entries to host
+    memory, calls this, and writes them there and then (``async_group`` and ``after_write`` are unused)."""
 
 
 @dataclass
@@ -94,7 +97,8 @@ class Written:
     future: Future[Any] | None = None
     """The background write of an async save."""
     snapshot_taken: threading.Event | None = None
-    """Set once a deferred snapshot (``SaveOptions.defer_snapshot``) is copied to host memory."""
+    """Set once a deferred snapshot (``SaveOptions.defer_snapshot``) is copied to host memory (or the save failed
+    before it could be)."""
     release: threading.Event | None = None
     """An async write's thread starts once this is set (when every rank agreed the write began)."""
 
@@ -130,6 +134,8 @@ class StorageFormat(Protocol):
     """A load can hash its data files while it reads them (else they are verified first)."""
     holds_trainable_only: ClassVar[bool]
     """Can hold a trainable-only checkpoint (its tensors keep ``requires_grad``, which selects them)."""
+    writes_async: ClassVar[bool]
+    """An async save writes it in the background (else it is written at once, the handle done)."""
 
     def write(self, job: WriteJob) -> Written:
         """Write this rank's files into ``job.staging`` (an async write: start a thread that will, once its
@@ -193,6 +199,7 @@ class TorchDistFormat:
     reshards: ClassVar[bool] = True
     hashes_while_reading: ClassVar[bool] = True
     holds_trainable_only: ClassVar[bool] = True
+    writes_async: ClassVar[bool] = True
 
     def write(self, job: WriteJob) -> Written:
         c = Written()
@@ -207,40 +214,21 @@ class TorchDistFormat:
             with no_zip_crc32():  # for objects, and any tensor the framing leaves to torch.save
                 c.metadata = save_state_dict(job.flat, writer, planner, job.group, job.plans)
             return c
-        # Training is blocked only for the copy to host memory (or, deferred, not even for that: the copy runs
-        # first in the thread, and `snapshot_taken` tells the caller's fence when it is done); DCP plans and
-        # writes in a thread of its own (its save steps there: `dcp.async_save` would walk every entry here).
+        if job.on_snapshot is not None:  # called by the save's own thread (a deferred snapshot): copy and write here
+            snapshot, check_frozen_unchanged = self._host_copy(job)
+            job.on_snapshot()
+            c.metadata = save_state_dict(snapshot, writer, planner, job.group, job.plans)
+            check_frozen_unchanged()
+            return c
+        # Training is blocked only for the copy to host memory; DCP plans and writes in a thread of its own (its
+        # save steps there: `dcp.async_save` would walk every entry here).
         group = None if job.async_group is None else job.async_group()
         release = c.release = threading.Event()  # the thread starts once the save call returns, not competing for the GIL
-
-        def keep_buffers(taken: tuple[dict[str, Any], dict[str, Any], Callable[[], None]]) -> None:
-            job.host_buffers.clear()
-            job.host_buffers.update(taken[1])
-
-        if job.options.defer_snapshot:
-            flat = copy_objects(job.flat)
-            unchanged = unchanged_since(flat, "Checkpointer.snapshot_fence()")
-            taken_event = c.snapshot_taken = threading.Event()
-
-            def take() -> tuple[dict[str, Any], dict[str, Any], Callable[[], None]]:
-                try:
-                    taken = host_copy(flat, job.host_buffers)
-                    unchanged()
-                    keep_buffers(taken)
-                    return taken
-                finally:
-                    taken_event.set()
-        else:
-            taken = host_copy(job.flat, job.host_buffers)
-            keep_buffers(taken)
-
-            def take() -> tuple[dict[str, Any], dict[str, Any], Callable[[], None]]:
-                return taken
+        snapshot, check_frozen_unchanged = self._host_copy(job)
 
         def write() -> Any:
             release.wait()
-            snapshot, _, check_frozen_unchanged = take()
-            with paused_gc():  # not while waiting for the snapshot: training runs then, collecting as usual
+            with paused_gc():
                 result = c.metadata = save_state_dict(snapshot, writer, planner, group, job.plans)
                 check_frozen_unchanged()
                 if job.after_write is not None:
@@ -251,6 +239,15 @@ class TorchDistFormat:
         c.future = executor.submit(write)
         executor.shutdown(wait=False)  # its one thread ends with the save
         return c
+
+    @staticmethod
+    def _host_copy(job: WriteJob) -> tuple[dict[str, Any], Callable[[], None]]:
+        """The entries to write while training goes on (:func:`~peftckpt.checkpoint.snapshot.host_copy`, its host
+        buffers kept for the next save) and the check to run once they are written."""
+        snapshot, buffers, check_frozen_unchanged = host_copy(job.flat, job.host_buffers)
+        job.host_buffers.clear()
+        job.host_buffers.update(buffers)
+        return snapshot, check_frozen_unchanged
 
     def files_written_by(self, staging: Path, rank: int, coords: Mapping[str, int],
                          layout: Mapping[str, int]) -> list[Path]:
@@ -313,6 +310,7 @@ class LegacyTorchFormat:
     reshards: ClassVar[bool] = False
     hashes_while_reading: ClassVar[bool] = False
     holds_trainable_only: ClassVar[bool] = False  # saves detached tensors: requires_grad is lost
+    writes_async: ClassVar[bool] = False
 
     def write(self, job: WriteJob) -> Written:
         fault_point("data", job.rank, job.iteration)
