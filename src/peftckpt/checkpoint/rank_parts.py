@@ -75,7 +75,7 @@ class RankParts:
               rng: dict[str, Any] | None = None) -> RankState:
         """This rank's state (:func:`~peftckpt.checkpoint.state.builder.build_state`): what a save writes, and
         (its tensors) what a load of the same kind requests (``sections``: the model sections, if at hand;
-        ``rng``: the RNG state to save, if taken earlier)."""
+        ``rng``: the RNG state to save, if taken earlier by :func:`~peftckpt.checkpoint.state.sections.take_rng`)."""
         return build_state(self.model_sections() if sections is None else sections, self.optimizer, self.chunks,
                            self.rank, trainable_only=trainable_only, with_optim=with_optim, objects=objects,
                            with_rng=with_rng, rng=rng)

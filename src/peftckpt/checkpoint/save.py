@@ -32,7 +32,7 @@ from .location.names import iteration_dirname
 from .options import SaveOptions
 from .rank_parts import RankParts
 from .snapshot import take_call_state, unchanged_since_call, with_buffers_at_call
-from .state.sections import OPTIMIZER, RNG_STATE, STATES, model_section_names, rng_entry, state_key
+from .state.sections import OPTIMIZER, RNG_STATE, STATES, model_section_names, state_key, take_rng
 from .state.trainable import TORCH_DIST
 from .storage.formats import StorageFormat, WriteJob, Written, storage_format
 from .storage.plan_memo import PlanMemo, layout_of
@@ -161,7 +161,7 @@ class Saves:
         last = self.last
         group = self._async_group()  # (created here: a new group is a collective of the main thread's)
         call = take_call_state(p.chunks, p.optimizer)
-        rng = rng_entry() if commit.options.save_rng else None
+        rng = take_rng() if commit.options.save_rng else None
         taken = threading.Event()
         commit.written = Written(snapshot_taken=taken)
 

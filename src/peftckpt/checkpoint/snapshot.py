@@ -71,7 +71,8 @@ class CallState:
     buffers: dict[tuple[int, int, tuple[int, ...]], torch.Tensor]
     """A copy of each buffer, by ``(storage address, storage offset, shape)`` of its live tensor."""
     versions: dict[int, int]
-    """Version counter of each tensor training updates, by storage address (views share their base's)."""
+    """Version counter of each tensor the optimizer step updates (its parameters -- without an optimizer, every
+    trainable parameter -- and its state), by storage address (views share their base's)."""
 
 
 def _key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
@@ -88,22 +89,20 @@ def take_call_state(chunks: Sequence[nn.Module], optimizer: torch.optim.Optimize
     buffers = {}
     versions = {}
     for chunk in chunks:
-        for module in chunk.modules():  # (one walk for both; a shared tensor is seen twice, harmlessly)
-            for b in module._buffers.values():
-                if b is not None:
-                    live = _local(b).detach()
-                    buffers[_key(live)] = live.clone()
-            for p in module._parameters.values():
-                if p is not None and p.requires_grad:
-                    live = _local(p)
-                    versions[live.untyped_storage().data_ptr()] = live._version
-    if optimizer is not None:
+        for b in chunk.buffers():
+            live = _local(b).detach()
+            buffers[_key(live)] = live.clone()
+    # What the optimizer step updates: its parameters and its state (without one, every trainable parameter).
+    params: list[torch.Tensor]
+    if optimizer is None:
+        params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    else:
         ensure_optimizer_state(optimizer)  # (created now, as a save without a step creates them)
-        for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    live = _local(v)
-                    versions[live.untyped_storage().data_ptr()] = live._version
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in params:
+        live = _local(t)
+        versions[live.untyped_storage().data_ptr()] = live._version
     return CallState(buffers, versions)
 
 

@@ -53,7 +53,8 @@ def build_state(sections: Mapping[str, Mapping[str, Any]], optimizer: torch.opti
                 objects: Mapping[str, Any] | None = None, with_rng: bool = False,
                 rng: dict[str, Any] | None = None) -> RankState:
     """This rank's state from its model ``sections`` (``{section: {name: entry}}``) and ``optimizer`` (over the
-    parameters of ``chunks``); ``with_rng``: with the RNG state ``rng`` (:func:`rng_entry`, taken now if ``None``)."""
+    parameters of ``chunks``); ``with_rng``: with the RNG state (``rng``: as :func:`take_rng` took it earlier, else
+    taken now)."""
     entries: dict[str, Any] = {}
     excluded: dict[str, Any] = {}
     for section, section_entries in sections.items():
@@ -70,5 +71,5 @@ def build_state(sections: Mapping[str, Mapping[str, Any]], optimizer: torch.opti
     entries.update(objects or {})
     entries[CHECKPOINT_VERSION] = CHECKPOINT_VERSION_VALUE
     if with_rng:
-        entries[f"{RNG_STATE}.{rank}"] = rng_entry() if rng is None else rng
+        entries[f"{RNG_STATE}.{rank}"] = rng_entry(rng)
     return RankState(entries, kept, excluded)

@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 __all__ = [
     "MODEL", "OPTIMIZER", "OPT_PARAM_SCHEDULER", "RNG_STATE", "ITERATION", "DATA", "ARGS", "CHECKPOINT_VERSION",
     "CHECKPOINT_VERSION_VALUE", "PARAM_GROUPS", "merge_param_groups", "apply_param_groups", "model_section_names", "model_entries", "optimizer_entries", "ensure_optimizer_state",
-    "rng_entry", "restore_rng", "dcp_key", "STATES", "state_key",
+    "rng_entry", "take_rng", "restore_rng", "dcp_key", "STATES", "state_key",
 ]
 
 MODEL = "model"
@@ -169,19 +169,24 @@ def apply_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, A
     return absent
 
 
-def rng_entry() -> dict[str, Any]:
-    """This rank's RNG states as weights-only-loadable values (python, numpy, torch CPU, and the current CUDA
-    device's where this process uses CUDA: each rank restores its own GPU's generator)."""
-    py = random.getstate()
-    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
-    entry: dict[str, Any] = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state(),
-    }
+def rng_entry(taken: dict[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's RNG states (or those :func:`take_rng` took earlier) as weights-only-loadable values (python,
+    numpy, torch CPU, and the current CUDA device's where this process uses CUDA: each rank restores its own
+    GPU's generator)."""
+    raw = take_rng() if taken is None else taken
+    py, np_state = raw["python"], raw["numpy"]
+    return {**raw, "python": [py[0], list(py[1]), py[2]],
+            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+
+
+def take_rng() -> dict[str, Any]:
+    """This rank's RNG states as the generators give them (cheap; :func:`rng_entry` makes them loadable)."""
+    raw: dict[str, Any] = {"python": random.getstate(),
+                           "numpy": cast(tuple[Any, ...], np.random.get_state(legacy=True)),
+                           "torch": torch.get_rng_state()}
     if torch.cuda.is_initialized():  # not is_available(): that would start CUDA on every GPU for nothing
-        entry["cuda"] = torch.cuda.get_rng_state()
-    return entry
+        raw["cuda"] = torch.cuda.get_rng_state()
+    return raw
 
 
 def restore_rng(entry: dict[str, Any]) -> None:
