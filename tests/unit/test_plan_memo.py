@@ -1,20 +1,25 @@
 """Saves laid out like the last committed one reuse its plans (the ranks' gathered pieces and their tiling check,
 DCP's plans and metadata of the entries, the commit's checks of those entries): every such checkpoint is still
-whole, verified and readable by stock DCP with the values of its own save. Any change of layout -- a shape, a
+whole, verified and readable by stock DCP with the values of its own save (its metadata file pickled from the
+entries pickled once). Any change of layout -- a shape, a
 dtype, an object that became a tensor, an entry more -- and any save after a failed one plans afresh."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
 
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointError
 from peftckpt.checkpoint.faults import FAULT_ENV
 from peftckpt.checkpoint.storage.plan_memo import PlanMemo
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.tools.verify import verify_checkpoint
 from tests.integration.cli import read_dcp_tensors
 
@@ -60,6 +65,7 @@ def test_saves_laid_out_alike_reuse_the_plans_and_stay_whole(tmp_path: Path) -> 
     first = ckpt.save(tmp_path, 1, {"iteration": 1}, TRAINABLE)
     memo = _plans(ckpt)
     assert memo.plan is not None and memo.metadata is not None and memo.structure is not None
+    assert memo.pickler is not None and memo.pickler.entries is memo.metadata.state_dict_metadata
     _check(Path(first), model, opt)
     for it in (2, 3):  # new values (a step), new object values: the same layout
         _step(model, opt)
@@ -130,3 +136,26 @@ def test_a_save_after_a_failed_one_plans_afresh(tmp_path: Path, monkeypatch: pyt
     _check(Path(path), model, opt)
     ckpt.save(tmp_path, 3, {"iteration": 3}, TRAINABLE)
     assert _plans(ckpt) is not failed
+
+
+def test_the_metadata_pickle_of_reused_entries_is_an_ordinary_pickle(tmp_path: Path) -> None:
+    """The entries pickled once and each save's storage items after them load -- with stock pickle and with the
+    restricted reader -- as the metadata itself; a metadata of other entries is refused."""
+    model, opt = _run()
+    _step(model, opt)
+    ckpt = Checkpointer([model], opt, **KW)
+    ckpt.save(tmp_path, 1, {"iteration": 1}, TRAINABLE)
+    memo = _plans(ckpt)
+    assert memo.pickler is not None and memo.metadata is not None
+    written = load_dcp_metadata(tmp_path / "iter_0000001" / ".metadata")
+    for shift in (0, 17):  # another save's items: same indices, other places
+        metadata = Metadata(memo.metadata.state_dict_metadata, storage_data={
+            index: _StorageInfo(info.relative_path, info.offset + shift, info.length)
+            for index, info in memo.metadata.storage_data.items()}, version="1.0.0")
+        data = memo.pickler.dumps(metadata)
+        (tmp_path / "m").write_bytes(data)
+        for loaded in (pickle.loads(data), load_dcp_metadata(tmp_path / "m")):
+            assert loaded.state_dict_metadata == written.state_dict_metadata
+            assert loaded.storage_data == metadata.storage_data and loaded.version == "1.0.0"
+    with pytest.raises(ValueError, match="other entries"):
+        memo.pickler.dumps(Metadata(dict(memo.metadata.state_dict_metadata)))

@@ -19,21 +19,29 @@ from __future__ import annotations
 import io
 import os
 from concurrent.futures import Future as ConcurrentFuture
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    DEFAULT_SUFFIX,
+    _StorageInfo,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.futures import Future
 
+from ..checks.integrity import DCP_METADATA_FILENAME
 from .checksums import overlap_pool
 from .framing import IndexedItem, block_digests, encode_index, tensor_bytes, tensor_record
+from .metadata_pickle import MetadataPickler
 from .plan_memo import PlanMemo
 
 __all__ = ["FramedFileSystemWriter", "save_state_dict"]
@@ -64,6 +72,8 @@ class FramedFileSystemWriter(FileSystemWriter):
                          per_thread_copy_ahead=0)
         self.metadata: Metadata | None = None
         """The metadata ``finish`` wrote (on the coordinator)."""
+        self.plans: PlanMemo | None = None
+        """The save's plan memo: where its metadata holds the planned entries, they are pickled once per memo."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = cast(_StoragePrefix, plan.storage_data).prefix
@@ -131,7 +141,27 @@ class FramedFileSystemWriter(FileSystemWriter):
         return indexed
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)
+        """DCP's ``finish`` (the storage items and the metadata file, written to a temporary name and renamed),
+        with the metadata pickled by the plan memo's :class:`MetadataPickler` where it holds the planned entries."""
+        plans = self.plans
+        if plans is None or plans.metadata is None or metadata.state_dict_metadata is not plans.metadata.state_dict_metadata:
+            super().finish(metadata, results)
+            self.metadata = metadata
+            return
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {r.index: r.storage_data for written in results for r in written}
+        metadata.storage_meta = self.storage_meta()
+        if plans.pickler is None:
+            plans.pickler = MetadataPickler(metadata.state_dict_metadata, list(metadata.storage_data))
+        data = plans.pickler.dumps(metadata)
+        final = cast(Path, self.fs.concat_path(self.path, DCP_METADATA_FILENAME))
+        temporary = cast(Path, self.fs.concat_path(self.path, f"{DCP_METADATA_FILENAME}.tmp"))
+        with self.fs.create_stream(temporary, "wb") as stream:
+            stream.write(data)
+            if self.sync_files:
+                stream.flush()
+                os.fsync(stream.fileno())
+        self.fs.rename(temporary, final)  # (into a fresh staging directory: nothing to replace)
         self.metadata = metadata
 
 
@@ -146,6 +176,7 @@ def save_state_dict(state_dict: dict[str, Any], writer: FramedFileSystemWriter, 
     to keep this save's plans in."""
     wrapper = _DistWrapper(group, dist.is_available() and dist.is_initialized(), 0)
     metadata: Metadata | None = None
+    writer.plans = memo
 
     def local_step() -> SavePlan:
         planner.set_up_planner(state_dict, writer.storage_meta(), wrapper.is_coordinator)

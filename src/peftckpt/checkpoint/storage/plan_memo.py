@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from ...sharding.entries import GlobalTensor
 from ..checks.integrity import StoredStructure
+from .metadata_pickle import MetadataPickler
 
 __all__ = ["PlanMemo", "layout_of"]
 
@@ -61,6 +62,9 @@ class PlanMemo:
     any write filled in where the items are stored."""
     structure: StoredStructure | None = None
     """The commit's checks of ``metadata``'s entries (coordinator)."""
+    pickler: MetadataPickler | None = None
+    """``metadata``'s entries pickled once, for the metadata file of every save that reuses this memo
+    (coordinator)."""
 
     def fresh_metadata(self) -> Metadata:
         """A metadata for this save's write to fill in: the planned entries, no storage items yet."""
