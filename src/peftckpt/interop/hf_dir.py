@@ -19,6 +19,7 @@ import torch
 
 from ..checkpoint.state.fingerprint import FINGERPRINT_VERSION
 from ..checkpoint.tools.offline import lazy_fingerprint
+from ..json_text import parse_json
 from ..model.config import GPTConfig
 from .hf_llama import (
     CONFIG_FILE,
@@ -53,7 +54,7 @@ class HFModelDir:
         if not config_path.is_file():
             raise InteropError(f"{self.path} is not an HF model directory: {CONFIG_FILE} is missing")
         try:
-            self.hf_config = json.loads(config_path.read_text())
+            self.hf_config = parse_json(config_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise InteropError(f"{config_path} is not valid JSON: {e}") from None
         if not isinstance(self.hf_config, dict):
@@ -89,7 +90,7 @@ class HFModelDir:
         index = self.path / SAFETENSORS_INDEX
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = parse_json(index.read_text())["weight_map"]
                 files: dict[str, list[str]] = {}
                 for key, name in weight_map.items():
                     if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..json_text import parse_json
 from ..model.config import LORA_PART_TARGETS, GPTConfig, LoRAConfig
 from ..model.fused import split_gate_up, split_qkv
 from .hf_llama import HF_PROJECTIONS, InteropError, hf_module_of, our_linear_of
@@ -172,7 +173,7 @@ def read_peft_dir(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[st
         raise InteropError(f"{root}: {PEFT_WEIGHTS_FILE} is missing (only safetensors adapters are read: a "
                            "pickled adapter_model.bin could run code)")
     try:
-        config = json.loads(cfg_path.read_text())
+        config = parse_json(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise InteropError(f"{cfg_path} is not valid JSON: {e}") from None
     try:

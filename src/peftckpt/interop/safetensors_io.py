@@ -24,6 +24,7 @@ import torch
 
 from ..checkpoint.storage.framing import tensor_bytes
 from ..checkpoint.storage.preads import read_exactly
+from ..json_text import parse_json
 
 __all__ = ["DTYPES", "SafetensorsError", "TensorInfo", "SafetensorsFile", "write_safetensors"]
 
@@ -73,7 +74,7 @@ class SafetensorsFile:
                 if length > min(_MAX_HEADER, size - 8):
                     raise SafetensorsError(f"{self.path} is truncated or not safetensors: its header claims "
                                            f"{length} bytes of a {size}-byte file")
-                header = json.loads(f.read(length))
+                header = parse_json(f.read(length))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SafetensorsError(f"{self.path} cannot be read as safetensors: {e}") from None
         if not isinstance(header, dict):

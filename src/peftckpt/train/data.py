@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..json_text import parse_json
+
 __all__ = [
     "ByteTokenizer",
     "GlobalBatchSampler",
@@ -73,7 +75,7 @@ def _parse_jsonl_line(line: str, path: Path, line_no: int, tokenizer: ByteTokeni
     """Tokenise one ``.jsonl`` record; raise ``ValueError`` naming ``path:line_no`` if it is malformed."""
     where = f"{path}:{line_no}"
     try:
-        record = json.loads(line)
+        record = parse_json(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):

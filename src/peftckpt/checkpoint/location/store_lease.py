@@ -33,6 +33,8 @@ from peftckpt.checkpoint.location.dir_lock import SaveDirInUseError, SaveDirLock
 from peftckpt.checkpoint.location.names import LOCK_FILENAME
 from peftckpt.checkpoint.storage.object_store import ObjectStore, store_error
 
+from ...json_text import parse_json
+
 __all__ = ["LEASE_ENV", "RemoteLock", "acquire_remote_lock", "check_lease"]
 
 LEASE_ENV = "PEFTCKPT_STORE_LEASE_S"
@@ -85,7 +87,7 @@ def _seen(store: ObjectStore) -> tuple[str, str] | None:
     try:
         store.fs.invalidate_cache(key)
         etag = str(store.fs.info(key, refresh=True)["ETag"])
-        holder = json.loads(store.fs.cat_file(key)).get("holder", "?")
+        holder = parse_json(store.fs.cat_file(key)).get("holder", "?")
     except FileNotFoundError:
         return None
     except ValueError:

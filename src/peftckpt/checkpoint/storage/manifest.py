@@ -22,6 +22,8 @@ from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointIntegrit
 from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
 from peftckpt.checkpoint.storage.paths import read_regular_file, relpath_problem
 
+from ...json_text import parse_json
+
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "FORMAT_VERSION",
@@ -118,7 +120,7 @@ class Manifest:
                 format version newer than this library reads.
         """
         try:
-            raw = json.loads(data)
+            raw = parse_json(data)
         except (UnicodeDecodeError, ValueError) as exc:
             raise CheckpointFormatError(f"manifest {source} is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
