@@ -142,6 +142,17 @@ def held_snapshot(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 DEFERRED = SaveOptions(async_save=True, defer_snapshot=True)
 
 
+def _fence_holds_until(ckpt: Checkpointer, release: threading.Event) -> None:
+    """The fence (before the optimizer step) waits while the save's thread is held, and returns once released."""
+    fenced = threading.Thread(target=ckpt.snapshot_fence)
+    fenced.start()
+    fenced.join(0.3)
+    assert fenced.is_alive()
+    release.set()
+    fenced.join(30)
+    assert not fenced.is_alive()
+
+
 def test_deferred_snapshot_overlaps_the_next_step_up_to_the_fence(tmp_path: Path,
                                                                   held_snapshot: threading.Event) -> None:
     """The save call returns before anything is copied; the forward/backward of the next step may run (its
@@ -152,13 +163,7 @@ def test_deferred_snapshot_overlaps_the_next_step_up_to_the_fence(tmp_path: Path
     ckpt.save(tmp_path, 1, {"iteration": 1}, DEFERRED)
     assert not ckpt._host_buffers  # nothing copied yet
     net(torch.randn(4, 8)).square().sum().backward()  # the next forward/backward, while the copy waits
-    fenced = threading.Thread(target=ckpt.snapshot_fence)
-    fenced.start()
-    fenced.join(0.3)
-    assert fenced.is_alive()  # the fence holds the optimizer step until the copy is done
-    held_snapshot.set()
-    fenced.join(30)
-    assert not fenced.is_alive()
+    _fence_holds_until(ckpt, held_snapshot)
     opt.step()
     opt.zero_grad()
     ckpt.wait()
@@ -171,7 +176,7 @@ def test_deferred_snapshot_overlaps_the_next_step_up_to_the_fence(tmp_path: Path
 def test_a_deferred_save_builds_its_entries_in_its_own_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The call takes the objects, the RNG state and the buffers as they are and returns before any entry is built;
     the entries are built (and copied) in the save's thread while the next forward/backward runs, up to the fence;
-    the checkpoint holds the state of the call -- buffers and RNG state included."""
+    the checkpoint holds the state of the call -- objects, buffers and RNG state included."""
     release = threading.Event()
     built_on_main: list[bool] = []
     model_sections = RankParts.model_sections
@@ -184,21 +189,18 @@ def test_a_deferred_save_builds_its_entries_in_its_own_thread(tmp_path: Path, mo
     monkeypatch.setattr(RankParts, "model_sections", held)
     net, opt, ckpt = _trained()
     at_save = _state(net, opt)
-    ckpt.save(tmp_path, 1, {"iteration": 1}, DEFERRED)
+    loader = {"position": 5}
+    ckpt.save(tmp_path, 1, {"iteration": 1, "loader": loader}, DEFERRED)
+    loader["position"] = 6  # the caller's object changes once the call returned
     after_call = torch.rand(3)  # drawn after the call: a load of the checkpoint draws it again
     net(torch.randn(4, 8)).square().sum().backward()  # the next forward (its buffer update) and backward
-    fenced = threading.Thread(target=ckpt.snapshot_fence)
-    fenced.start()
-    fenced.join(0.3)
-    assert fenced.is_alive() and built_on_main == [False]
-    release.set()
-    fenced.join(30)
-    assert not fenced.is_alive()
+    _fence_holds_until(ckpt, release)
+    assert built_on_main == [False]
     opt.step()
     opt.zero_grad()
     ckpt.wait()
     fresh, fresh_opt, fresh_ckpt = _trained(seed=7)
-    fresh_ckpt.load(tmp_path)
+    assert fresh_ckpt.load(tmp_path, LoadOptions(objects=["loader"])).objects["loader"] == {"position": 5}
     for key, value in _state(fresh, fresh_opt).items():
         assert torch.equal(value, at_save[key]), key
     assert torch.equal(torch.rand(3), after_call)

@@ -7,6 +7,7 @@ process group, the run locks held -- and runs :meth:`Saves.save` as its numbered
 
 from __future__ import annotations
 
+import copy
 import os
 import secrets
 import threading
@@ -160,8 +161,10 @@ class Saves:
         p = self.parts
         last = self.last
         group = self._async_group()  # (created here: a new group is a collective of the main thread's)
+        objects = copy.deepcopy(objects)  # as they are now: the caller may change them once the call returns
         call = take_call_state(p.chunks, p.optimizer)
         rng = take_rng() if commit.options.save_rng else None
+        after_write = self._after_write(commit)
         taken = threading.Event()
         commit.written = Written(snapshot_taken=taken)
 
@@ -183,8 +186,7 @@ class Saves:
                         flat, commit.staging, commit.iteration, commit.options, p.rank, p.coords, p.layout, comm.group,
                         p.chunks, p.optimizer, self.host_buffers, plans=commit.plans, on_snapshot=on_snapshot))
                     commit.written.checksums, commit.written.metadata = written.checksums, written.metadata
-                    hand_over_files(commit, p.rank)
-                    commit_checkpoint(comm, commit)
+                    after_write()
             finally:
                 taken.set()  # (a failure before the copy must not hold the fence)
 
