@@ -13,7 +13,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[hf,s3,test,dev]"
+	$(BIN)/pip install -q -e ".[hf,s3,test,dev,logging]"
 	touch $@
 
 venv: $(BIN)/.installed

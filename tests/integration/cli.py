@@ -35,14 +35,21 @@ def env() -> dict[str, str]:
     return e
 
 
+def _command(args: list[str], nproc: int, launcher: str) -> list[str]:
+    """``peftckpt ARGS``, under ``torchrun --nproc-per-node N`` (or ``peftckpt launch``) when ``nproc > 0``."""
+    if not nproc:
+        return [sys.executable, "-m", "peftckpt", *args]
+    if launcher == "peftckpt":
+        return [sys.executable, "-m", "peftckpt", "launch", "--nproc-per-node", str(nproc), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "peftckpt", *args]
+
+
 def peftckpt(args: list[str], nproc: int = 0, cwd: Path | None = None, check: bool = True,
-             extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``peftckpt ARGS`` -- under ``torchrun --nproc-per-node N`` when ``nproc > 0``."""
-    if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "peftckpt", *args]
-    else:
-        cmd = [sys.executable, "-m", "peftckpt", *args]
+             extra_env: dict[str, str] | None = None, launcher: str = "torchrun") -> subprocess.CompletedProcess[str]:
+    """``peftckpt ARGS`` -- under ``torchrun --nproc-per-node N`` when ``nproc > 0`` (``launcher="peftckpt"``:
+    under ``peftckpt launch``)."""
+    cmd = _command(args, nproc, launcher)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
                           env={**env(), **(extra_env or {})})
     if check and proc.returncode != 0:
@@ -79,13 +86,11 @@ def until(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> N
         time.sleep(0.05)
 
 
-def launch(args: list[str], log: Path, nproc: int = 0) -> subprocess.Popen[bytes]:
-    """Start ``peftckpt ARGS`` in the background, its output in ``log`` (a file, not a pipe: orphaned workers
-    holding a pipe open would block the test instead of failing it)."""
-    prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-              if nproc else [sys.executable])
+def launch(args: list[str], log: Path, nproc: int = 0, launcher: str = "torchrun") -> subprocess.Popen[bytes]:
+    """Start ``peftckpt ARGS`` in the background (as :func:`peftckpt` runs it), its output in ``log`` (a file,
+    not a pipe: orphaned workers holding a pipe open would block the test instead of failing it)."""
     with open(log, "wb") as out:
-        return subprocess.Popen([*prefix, "-m", "peftckpt", *args], stdout=out, stderr=subprocess.STDOUT, env=env())
+        return subprocess.Popen(_command(args, nproc, launcher), stdout=out, stderr=subprocess.STDOUT, env=env())
 
 
 def no_worker_traceback(stderr: str, nproc: int) -> None:

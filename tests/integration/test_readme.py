@@ -31,7 +31,7 @@ def readme_commands(text: str) -> list[str]:
             line = line.split(" #")[0].strip() if not line.lstrip().startswith("#") else ""
             if not line or line.startswith("make "):
                 continue
-            command = re.search(r"-m peftckpt (train|eval)\b", line)
+            command = re.search(r"(?:-m peftckpt|peftckpt launch [^#]*?) (train|eval)\b", line)
             if command:
                 line = f"{line} {' '.join(SMALL[command.group(1)])}"
             commands.append(line)
@@ -56,7 +56,7 @@ def _fresh_copy(dst: Path) -> None:
 def test_readme_commands_run_as_pasted(tmp_path: Path) -> None:
     commands = readme_commands((ROOT / "README.md").read_text())
     assert commands[0] == "source .venv/bin/activate"
-    assert sum("-m peftckpt train" in c for c in commands) >= 3 and any(c.startswith("peftckpt verify") for c in commands)
+    assert sum(re.search(r"peftckpt launch .*\btrain\b", c) is not None for c in commands) >= 3 and any(c.startswith("peftckpt verify") for c in commands)
     checkout = tmp_path / "checkout"
     _fresh_copy(checkout)
     script = "set -euo pipefail\n" + "\n".join(f"echo '+ {c[:60]}'\n{c}" for c in commands)

@@ -112,7 +112,7 @@ def _variant(hf_dir: Path, dest: Path, **changes: object) -> Path:
     ({"head_dim": 32}, "head_dim = 32 differs from hidden_size / num_attention_heads = 16"),
     ({"model_type": "mixtral"}, "model_type 'mixtral'; only Llama-architecture models"),
     ({"intermediate_size": 128},
-     "tensor 'model.layers.0.mlp.gate_proj.weight' in model.safetensors has shape [96, 64], config.json implies [128, 64]"),
+     "config.json says intermediate_size 128 but model.layers.0.mlp.down_proj.weight is [64, 96] in model.safetensors"),
 ], ids=["rope-scaling", "bias", "act", "head-dim", "model-type", "shapes"])
 def test_unsupported_configs_are_refused_before_writing(hf_dir: Path, tmp_path: Path, changes: dict,
                                                         message: str) -> None:

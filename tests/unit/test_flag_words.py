@@ -26,6 +26,11 @@ LIBRARY_TO_TRAINER = [
      "ckpt_format 'torch_dist'", "--ckpt-format torch cannot hold a data-parallel-sharded optimizer "
      "(--use-distributed-optimizer); use --ckpt-format torch_dist"),
     ("(LoadOptions(verify_checksums=False) skips the checksums)", "(--no-verify-checksums skips the checksums)"),
+    ("the newest intact earlier checkpoint in runs/lora is iteration 4: resume from it explicitly with "
+     "Checkpointer.load('runs/lora/iter_0000004') (a load never goes back to an earlier checkpoint by itself)",
+     "the newest intact earlier checkpoint in runs/lora is iteration 4: resume from it explicitly with "
+     "--load runs/lora/iter_0000004 (a load never goes back to an earlier checkpoint by itself)"),
+    ("with Checkpointer.load(\"/o'brien/iter_0000002\") (a load", "with --load /o'brien/iter_0000002 (a load"),
     ("load the base it was trained on (load_pretrained), or pass LoadOptions(verify_base=False) to override",
      "load the matching --pretrained-checkpoint, or pass --no-verify-base to override"),
     ("pass LoadOptions(load_optim=False) to start a fresh optimizer", "pass --no-load-optim to start a fresh optimizer"),

@@ -118,4 +118,4 @@ def test_not_a_checkpoint_and_usage_errors(tmp_path: Path, capsys: pytest.Captur
     assert verify_main([str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err == f"peftckpt verify: error: DIR {tmp_path / 'missing'} does not exist\n"
     assert verify_main([]) == 2
-    assert "usage: peftckpt verify [-h] [--json] DIR" in capsys.readouterr().err
+    assert "usage: peftckpt verify [-h] [--json] [--all] DIR" in capsys.readouterr().err

@@ -21,10 +21,13 @@ import torch
 
 from ..sharding.entries import GlobalTensor
 from .checks.load_checks import (
+    EarlierCheckpoints,
     adapter_mismatch,
     architecture_mismatch,
     base_mismatch,
+    damage_hint,
     damaged,
+    is_damage,
     shape_mismatch,
 )
 from .checks.strictness import KeyReport, check_keys
@@ -38,8 +41,11 @@ from .errors import (
     unwrap_dcp_error,
 )
 from .load_objects import apply_objects, objects_to_read
+from .location import protocol
+from .location.base import Location
 from .location.directory import resolve_checkpoint_dir
 from .location.locate import locate
+from .location.names import parse_iteration_dirname
 from .options import LoadOptions, LoadResult
 from .rank_parts import RankParts
 from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting, fingerprint_version
@@ -48,6 +54,7 @@ from .storage.checksums import files_share, is_data_file, verify_checksums, veri
 from .storage.dcp_reader import has_block_index
 from .storage.formats import StorageFormat, StoredCheckpoint, storage_format
 from .storage.manifest import Manifest, read_manifest
+from .tools.verify import newest_intact_before
 
 __all__ = ["Loads"]
 
@@ -73,8 +80,13 @@ class Loads:
         """Directory, iteration and manifest of a committed checkpoint, its files verified (collective):
         presence, sizes and the small files now; with ``verify_while_reading`` the checksums of the data
         files in a background thread, finished by :meth:`_read`."""
-        ckpt, iteration = resolve_checkpoint_dir(path)
-        manifest = read_manifest(ckpt)
+        found: CheckpointError | None = None
+        try:
+            ckpt, iteration = resolve_checkpoint_dir(path)
+            manifest = read_manifest(ckpt)
+        except CheckpointError as e:  # alike on every rank as a rule (one location): agreed, so said once
+            found = e
+        self.comm.agree(found)
         pending = _Verify(ckpt)
         shard = (self.parts.rank, self.parts.world)
         fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
@@ -119,11 +131,34 @@ class Loads:
                check the stored shapes and the strictness mode against the request, read it, finish the
                checksums; apply extra state, optimizer groups, the checkpointer's states (in place) and the
                RNG state.
+        A checkpoint found damaged at any step is an error that also names the newest intact earlier checkpoint
+        of its save location (:meth:`_explain_damage`); the load never falls back to it by itself.
         """
         options = options or LoadOptions()
-        with self._located(path, options) as (local, options, url):
-            result = self._load(local, options, model_only)
+        try:
+            with self._located(path, options) as (local, located_options, url):
+                result = self._load(local, located_options, model_only)
+        except Exception as e:
+            self._explain_damage(e, path, search_earlier=True)
+            raise
         return result if url is None else replace(result, path=url)
+
+    def _explain_damage(self, e: Exception, path: str | os.PathLike[str], search_earlier: bool) -> None:
+        """Append to the agreed error ``e`` of a load from ``path`` (in place), when it reports damage, what to do
+        instead: rank 0 looks for the newest intact earlier checkpoint (:func:`_damage_hint`) while the other ranks
+        wait for its answer, so every rank's error says the same (collective: an agreed error is raised by every
+        rank; any other error is left as it is, with no collective)."""
+        if not getattr(e, "every_rank", False):
+            return
+        hint: str | None = None
+        if self.comm.rank == 0 and is_damage(e):
+            try:
+                hint = _damage_hint(str(e), path, search_earlier)
+            except Exception:  # noqa: BLE001 - the error itself is what matters; the hint is a help
+                hint = None
+        hint = self.comm.broadcast_from_first(hint)
+        if hint and e.args and isinstance(e.args[0], str):
+            e.args = (e.args[0] + hint, *e.args[1:])
 
     @contextlib.contextmanager
     def _located(self, path: str | os.PathLike[str], options: LoadOptions
@@ -313,8 +348,13 @@ class Loads:
         """:meth:`~peftckpt.checkpoint.api.Checkpointer.load_pretrained`: the base from a full checkpoint (a
         frozen parameter it lacks is an error; trainable ones it lacks, the adapters, keep their values)."""
         options = options or LoadOptions()
-        with self._located(path, options) as (local, options, url):
-            result = self._load_pretrained(local, options)
+        try:
+            with self._located(path, options) as (local, located_options, url):
+                result = self._load_pretrained(local, located_options)
+        except Exception as e:
+            # No earlier checkpoint is offered: an earlier base is another base (its fingerprint differs).
+            self._explain_damage(e, path, search_earlier=False)
+            raise
         return result if url is None else replace(result, path=url)
 
     def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions) -> LoadResult:
@@ -345,3 +385,26 @@ class Loads:
         with self._fingerprinting_base(request) as fingerprinting:
             self._read(request, stored, verification, fingerprinting)
         return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))
+
+
+def _damage_hint(message: str, path: str | os.PathLike[str], search_earlier: bool) -> str:
+    """What a damage error (``message``) of a load from ``path`` adds (one process): with ``search_earlier``, the
+    newest intact checkpoint of the save location before the damaged one (verified, at most a few tried) or that
+    there is none; skipping the checksums only as the last resort, where it could help (checksums failed, on a
+    directory: a store's objects are always hashed as they are fetched)."""
+    loc = locate(path, "checkpoint")
+    checksums_help = loc.local_dir() is not None and "checksum mismatch" in message
+    earlier: EarlierCheckpoints | None = None
+    if search_earlier:
+        try:
+            with warnings.catch_warnings():  # the load already said how it resolved the location
+                warnings.simplefilter("ignore")
+                rel, iteration = protocol.resolve(loc)
+            save: Location | None = loc
+            if not rel:  # a checkpoint itself: its save location, if it is an iter_* in one
+                save = locate(loc.parent, "checkpoint") if parse_iteration_dirname(loc.name) is not None else None
+            if save is not None:
+                earlier = newest_intact_before(save, iteration)
+        except CheckpointError:
+            earlier = None
+    return damage_hint(earlier, checksums_help)

@@ -13,8 +13,11 @@ __all__ = ["main", "COMMANDS"]
 
 #: command -> (module, function taking argv and returning the exit code, one-line description).
 COMMANDS: dict[str, tuple[str, str, str]] = {
+    "launch": ("peftckpt.cli.launch", "launch_main",
+               "run train/eval on many processes: torchrun's options, the workers' exit code and message"),
     "train": ("peftckpt.cli.train", "train_main", "train a GPT (+ LoRA) with TP x PP x DP; under torchrun for >1 process"),
     "eval": ("peftckpt.train.evaluate", "eval_main", "mean next-token loss of a base (+ adapter) on --data-path"),
+    "plot": ("peftckpt.cli.plot", "plot_main", "loss (+ eval loss) and LR of a train --metrics-file as a PNG"),
     "verify": ("peftckpt.cli.verify", "verify_main", "check a checkpoint's files against its manifest"),
     "inspect": ("peftckpt.cli.inspect", "inspect_main",
                 "sections, keys, shapes, layout, commit state and sizes of a checkpoint"),

@@ -9,6 +9,7 @@ __all__ = ["train_main"]
 
 
 def train_main(argv: Sequence[str]) -> int:
+    from ..checkpoint.errors import CheckpointError
     from ..train.args import ArgumentError, parse_train_args
     from .parsing import say_once
 
@@ -19,6 +20,9 @@ def train_main(argv: Sequence[str]) -> int:
     except ArgumentError as e:
         say_once("peftckpt train", e, rank, world_size)
         return 2
+    except CheckpointError as e:  # a base or checkpoint whose architecture contradicts its files: before any model
+        say_once("peftckpt train", e, rank, world_size)
+        return 1
     from ..train.run import exit_multi_rank, run_training
 
     return exit_multi_rank(run_training(args, world_size, rank), world_size)

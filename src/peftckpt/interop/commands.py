@@ -28,6 +28,7 @@ from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
 from ..model.lora import apply_lora
 from ..sharding.entries import GlobalTensor, LazyGlobalTensor, global_tensor_of
+from .architecture import checked_manifest
 from .hf_dir import HFModelDir, is_hf_dir
 from .hf_llama import InteropError, config_to_hf, hf_export_plan, write_hf_dir
 from .peft import adapter_to_peft, is_adapter_name, peft_to_adapter, read_peft_dir, write_peft_dir
@@ -119,7 +120,17 @@ def _where(base: HFModelDir | OfflineCheckpoint) -> str:
 
 
 def _config_of(base: HFModelDir | OfflineCheckpoint) -> GPTConfig:
-    return base.config if isinstance(base, HFModelDir) else GPTConfig.from_dict(base.manifest.model_config)
+    return base.config if isinstance(base, HFModelDir) else checked_config(base)
+
+
+def checked_config(ckpt: OfflineCheckpoint) -> GPTConfig:
+    """The architecture of a checkpoint's manifest, once it is held to the tensors the checkpoint stores (a
+    manifest claiming a bigger model is refused before anything is sized by it)."""
+    checked_manifest(ckpt.path)
+    try:
+        return GPTConfig.from_dict(ckpt.manifest.model_config)
+    except (TypeError, ValueError) as e:
+        raise InteropError(f"checkpoint {ckpt.where}: the manifest's model_config is invalid: {e}") from None
 
 
 def import_peft(peft_dir: str | os.PathLike[str], out: str | os.PathLike[str], base: str | os.PathLike[str],
@@ -184,7 +195,7 @@ def export_peft(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str],
     """An adapter checkpoint (any layout; adapter-only or full) -> a PEFT LoRA adapter directory."""
     out_dir = _fresh_output(out, "OUT")
     ckpt = open_checkpoint(ckpt_path, verify_checksums)
-    cfg = GPTConfig.from_dict(ckpt.manifest.model_config)
+    cfg = checked_config(ckpt)
     adapters = _adapter_tensors(ckpt)
     tensors, config = adapter_to_peft(adapters, cfg, _lora_of(ckpt, adapters),
                                       base_model_name_or_path or base_name_of(ckpt))
@@ -228,7 +239,7 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
     Streams: the adapters (small) are read first; then each base tensor is read, split into its HF
     projections, merged with its adapter delta (in float64) and written, one at a time."""
     ckpt = open_checkpoint(ckpt_path, verify_checksums)
-    cfg = GPTConfig.from_dict(ckpt.manifest.model_config)
+    cfg = checked_config(ckpt)
     hf_config = config_to_hf(cfg, dtype)
     sources: dict[str, HFModelDir | OfflineCheckpoint] = dict.fromkeys(ckpt.model_shapes(), ckpt)
     if not ckpt.manifest.holds_every_weight:

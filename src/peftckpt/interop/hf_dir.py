@@ -10,16 +10,16 @@ query groups' rows of ``q_proj``, ``k_proj`` and ``v_proj``, and nothing else.
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..checkpoint.state.fingerprint import FINGERPRINT_VERSION
 from ..checkpoint.tools.offline import lazy_fingerprint
-from ..json_text import parse_json
 from ..model.config import GPTConfig
 from .hf_llama import (
     CONFIG_FILE,
@@ -29,14 +29,17 @@ from .hf_llama import (
     config_from_hf,
     hf_module_of,
     hf_one_to_one,
+    open_safetensors,
     our_linear_of,
+    read_json_object,
 )
-from .safetensors_io import SafetensorsError, SafetensorsFile
+from .safetensors_io import SafetensorsFile
 
 __all__ = ["HFModelDir", "is_hf_dir"]
 
 # (HF tensor, first HF row, number of rows) pieces that make up a run of our rows, in order.
 Segments = list[tuple[str, int, int]]
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def is_hf_dir(path: str | os.PathLike[str]) -> bool:
@@ -53,12 +56,7 @@ class HFModelDir:
         config_path = self.path / CONFIG_FILE
         if not config_path.is_file():
             raise InteropError(f"{self.path} is not an HF model directory: {CONFIG_FILE} is missing")
-        try:
-            self.hf_config = parse_json(config_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InteropError(f"{config_path} is not valid JSON: {e}") from None
-        if not isinstance(self.hf_config, dict):
-            raise InteropError(f"{config_path} must hold a JSON object")
+        self.hf_config = read_json_object(config_path)
         self.config: GPTConfig = config_from_hf(self.hf_config)
         self.files: dict[str, SafetensorsFile] = {}
         self.where: dict[str, SafetensorsFile] = {}
@@ -68,10 +66,7 @@ class HFModelDir:
             if not f.is_file():
                 raise InteropError(f"{self.path / SAFETENSORS_INDEX} lists shard {name} (e.g. for tensor "
                                    f"{tensors_listed[0]!r}), which is missing from {self.path}")
-            try:
-                st = SafetensorsFile(f)
-            except SafetensorsError as e:
-                raise InteropError(str(e)) from None
+            st = open_safetensors(f)
             self.files[name] = st
             for key in st.tensors:
                 if key in self.where:
@@ -81,6 +76,7 @@ class HFModelDir:
             if absent:
                 raise InteropError(f"{self.path / SAFETENSORS_INDEX} maps {absent[0]!r} to {name}, which does not "
                                    "hold it")
+        self._check_config_fits()  # before anything is sized by the config: it may claim far more than is here
         self._check_tensors()
         self.ours = self.our_shapes()
         """Our model tensors: name -> (global shape, dtype in the HF files)."""
@@ -89,15 +85,17 @@ class HFModelDir:
         """Shard file -> the tensors the index puts there (one unindexed file: all of them)."""
         index = self.path / SAFETENSORS_INDEX
         if index.is_file():
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise InteropError(f"{index} is not a valid safetensors index: no \"weight_map\" object")
             try:
-                weight_map = parse_json(index.read_text())["weight_map"]
                 files: dict[str, list[str]] = {}
                 for key, name in weight_map.items():
                     if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
                         raise InteropError(f"{index}: tensor {key!r} maps to {name!r}, not a file of {self.path}")
                     files.setdefault(name, []).append(key)
                 return files
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            except (KeyError, AttributeError, TypeError) as e:
                 raise InteropError(f"{index} is not a valid safetensors index: {e!r}") from None
         if (self.path / SAFETENSORS_FILE).is_file():
             return {SAFETENSORS_FILE: []}
@@ -122,6 +120,46 @@ class HFModelDir:
                                 ("down_proj", (c.hidden_size, c.ffn))):
                 shapes[f"{hf_module_of(n, proj)}.weight"] = shape
         return shapes
+
+    def _check_config_fits(self) -> None:
+        """The values of ``config.json`` that size the model -- hidden_size, vocab_size, num_hidden_layers,
+        intermediate_size, the attention heads -- held to the tensors the safetensors headers describe, before
+        anything is enumerated or sized by them: a config claiming a larger model than the files hold is one
+        message naming the value, the tensor and its file (a layer count of millions would otherwise be
+        enumerated for minutes before the tensors were compared)."""
+        c, hf = self.config, self.hf_config
+
+        def shape(name: str) -> tuple[int, ...] | None:
+            return self.where[name].tensors[name].shape if name in self.where else None
+
+        def refuse(key: str, value: Any, name: str, what: str) -> None:
+            info = self.where[name].tensors[name]
+            raise InteropError(f"{self.path / CONFIG_FILE} says {key} {value} but {name} is {list(info.shape)}"
+                               f"{what} in {self.where[name].path.name}")
+
+        embed = "model.embed_tokens.weight"
+        dims = shape(embed)
+        if dims is None:
+            raise InteropError(f"{self.path}: tensor {embed!r} is missing from the safetensors files")
+        if len(dims) != 2 or dims[1] != c.hidden_size:
+            refuse("hidden_size", hf["hidden_size"], embed, "")
+        if dims[0] != c.vocab_size:
+            refuse("vocab_size", hf["vocab_size"], embed, "")
+        layers = {int(m.group(1)) for name in self.where if (m := _LAYER.match(name))}
+        if c.num_layers != len(layers) or (layers and max(layers) != c.num_layers - 1):
+            top = max(layers, default=None)
+            held = "no layer" if top is None else (f"layers {sorted(layers)[:3]}..." if len(layers) != top + 1
+                                                    else f"layers 0-{top}")
+            raise InteropError(f"{self.path / CONFIG_FILE} says num_hidden_layers {hf['num_hidden_layers']} but "
+                               f"the safetensors files in {self.path} hold {held} (model.layers.N.*)")
+        down, k = f"{hf_module_of(0, 'down_proj')}.weight", f"{hf_module_of(0, 'k_proj')}.weight"
+        dims = shape(down)
+        if dims is not None and (len(dims) != 2 or dims[1] != c.ffn):
+            refuse("intermediate_size", hf["intermediate_size"], down, "")
+        dims = shape(k)
+        if dims is not None and (len(dims) != 2 or dims[0] != c.groups * c.head_dim):
+            refuse("num_key_value_heads", c.groups, k, f" (num_key_value_heads x hidden_size / num_attention_heads "
+                   f"= {c.groups} x {c.head_dim} = {c.groups * c.head_dim} rows expected)")
 
     def _check_tensors(self) -> None:
         expected = self.hf_shapes()

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
+from ..json_text import parse_json
 from ..model.config import GPTConfig
 from ..model.fused import split_gate_up, split_qkv
-from .safetensors_io import write_safetensors
+from .safetensors_io import SafetensorsError, SafetensorsFile, write_safetensors
 
-__all__ = ["InteropError", "config_from_hf", "config_to_hf", "hf_export_plan", "write_hf_dir",
+__all__ = ["InteropError", "open_safetensors", "read_json_object", "config_from_hf", "config_to_hf", "hf_export_plan", "write_hf_dir",
            "HF_PROJECTIONS", "hf_module_of", "our_linear_of", "hf_one_to_one", "CONFIG_FILE", "SAFETENSORS_FILE",
            "SAFETENSORS_INDEX"]
 
@@ -44,6 +45,36 @@ _HF_OWNER = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"
 
 class InteropError(ValueError):
     """An HF directory, config or adapter that cannot be mapped exactly (the message names the key/file)."""
+
+
+def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFile:
+    """A safetensors file of an HF model or PEFT adapter directory, its header validated: a truncated file, a
+    malformed header or an unknown dtype is one :class:`InteropError` naming the file."""
+    try:
+        return SafetensorsFile(path)
+    except SafetensorsError as e:
+        raise InteropError(str(e)) from None
+
+
+def read_tensor(st: SafetensorsFile, name: str) -> torch.Tensor:
+    """Tensor ``name`` of a file opened by :func:`open_safetensors`; a read that fails (the file shrank or became
+    unreadable since it was opened) is one :class:`InteropError` naming the file."""
+    try:
+        return st.read(name)
+    except (OSError, ValueError) as e:
+        raise InteropError(f"{st.path}: tensor {name!r} cannot be read: {e}") from None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (``config.json``, an index, ``adapter_config.json``); anything else -- unreadable,
+    not UTF-8, not JSON, nested too deeply, not an object -- is one :class:`InteropError` naming the file."""
+    try:
+        value = parse_json(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InteropError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InteropError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
 def hf_module_of(layer: int, projection: str) -> str:

@@ -25,11 +25,18 @@ from typing import Any
 
 import torch
 
-from ..json_text import parse_json
 from ..model.config import LORA_PART_TARGETS, GPTConfig, LoRAConfig
 from ..model.fused import split_gate_up, split_qkv
-from .hf_llama import HF_PROJECTIONS, InteropError, hf_module_of, our_linear_of
-from .safetensors_io import SafetensorsError, SafetensorsFile, write_safetensors
+from .hf_llama import (
+    HF_PROJECTIONS,
+    InteropError,
+    hf_module_of,
+    open_safetensors,
+    our_linear_of,
+    read_json_object,
+    read_tensor,
+)
+from .safetensors_io import write_safetensors
 
 __all__ = ["PEFT_CONFIG_FILE", "PEFT_WEIGHTS_FILE", "is_adapter_name", "adapter_to_peft", "peft_to_adapter", "read_peft_dir",
            "write_peft_dir"]
@@ -114,8 +121,7 @@ def peft_to_adapter(tensors: Mapping[str, torch.Tensor], config: Mapping[str, An
             raise InteropError(f"{source}: {PEFT_CONFIG_FILE} sets {key}; {what} is not supported")
     if config.get("bias", "none") != "none":
         raise InteropError(f"{source}: bias = {config['bias']!r}; only bias = 'none' is supported")
-    rank = int(config["r"])
-    alpha = float(config.get("lora_alpha", rank))
+    rank, alpha, dropout = _lora_numbers(config, f"{source}/{PEFT_CONFIG_FILE}")
     if config.get("use_rslora"):
         alpha *= math.sqrt(rank)  # rsLoRA scales by alpha / sqrt(r); ours by alpha / r
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -156,9 +162,34 @@ def peft_to_adapter(tensors: Mapping[str, torch.Tensor], config: Mapping[str, An
         out[f"{our_linear_of(n, linear)}.lora_B{suffix}"] = b.float().contiguous()
     targets = tuple(_TARGET_OF[p] for p in projections)
     assert all(t in LORA_PART_TARGETS or t in ("linear_proj", "linear_fc2") for t in targets)
-    lora = LoRAConfig(rank=rank, alpha=alpha, dropout=float(config.get("lora_dropout", 0.0)),
+    lora = LoRAConfig(rank=rank, alpha=alpha, dropout=dropout,
                       target_modules=targets, layers=None if layers == list(range(cfg.num_layers)) else tuple(layers))
     return lora, out
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _lora_numbers(config: Mapping[str, Any], where: str) -> tuple[int, float, float]:
+    """``r``, ``lora_alpha`` (default ``r``) and ``lora_dropout`` (default 0) of an ``adapter_config``, each
+    refused by name unless it is what PEFT means by it: a positive int rank, a positive finite alpha (NaN or
+    infinity would only surface later as a mismatch between adapters, or an unwritable manifest), a dropout
+    probability in [0, 1)."""
+    rank = config.get("r")
+    if "r" not in config:
+        raise InteropError(f"{where}: missing key 'r' (the LoRA rank)")
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0):
+        raise InteropError(f"{where}: r must be a positive integer (the LoRA rank), got {rank!r}")
+    alpha = config.get("lora_alpha", rank)
+    if not (_is_number(alpha) and math.isfinite(alpha) and alpha > 0):
+        raise InteropError(f"{where}: lora_alpha must be a positive finite number, got {alpha!r}")
+    dropout = config.get("lora_dropout", 0.0)
+    if dropout is None:
+        dropout = 0.0
+    if not (_is_number(dropout) and 0.0 <= dropout < 1.0):
+        raise InteropError(f"{where}: lora_dropout must be a number in [0, 1), got {dropout!r}")
+    return rank, float(alpha), float(dropout)
 
 
 # --------------------------------------------------------------------------------------------- files
@@ -172,15 +203,9 @@ def read_peft_dir(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[st
     if not weights.is_file():
         raise InteropError(f"{root}: {PEFT_WEIGHTS_FILE} is missing (only safetensors adapters are read: a "
                            "pickled adapter_model.bin could run code)")
-    try:
-        config = parse_json(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise InteropError(f"{cfg_path} is not valid JSON: {e}") from None
-    try:
-        stored = SafetensorsFile(weights)
-        return config, {name: stored.read(name) for name in stored.tensors}
-    except SafetensorsError as e:
-        raise InteropError(str(e)) from None
+    config = read_json_object(cfg_path)
+    stored = open_safetensors(weights)
+    return config, {name: read_tensor(stored, name) for name in stored.tensors}
 
 
 def write_peft_dir(path: str | os.PathLike[str], config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:

@@ -39,6 +39,13 @@ _BOUNCE_BYTES = 32 << 20
 """The reused buffer of a read that cannot land in its destination (a column slice, another dtype)."""
 
 
+def _count(value: object) -> int:
+    """A dimension or byte offset of a header: a JSON integer (``4.5``, ``true`` or ``"4"`` is malformed)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"not an integer: {value!r}")
+    return value
+
+
 class SafetensorsError(ValueError):
     """A safetensors file that is truncated, malformed or not what it should be (the message names it)."""
 
@@ -85,8 +92,8 @@ class SafetensorsFile:
                 continue
             try:
                 dtype = DTYPES[rec["dtype"]]
-                shape = tuple(int(d) for d in rec["shape"])
-                begin, end = (int(x) for x in rec["data_offsets"])
+                shape = tuple(_count(d) for d in rec["shape"])
+                begin, end = (_count(x) for x in rec["data_offsets"])
             except (KeyError, TypeError, ValueError):
                 raise SafetensorsError(f"{self.path}: tensor {name!r} has an unsupported or malformed header "
                                        f"entry {str(rec)[:80]}") from None

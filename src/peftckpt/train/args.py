@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from ..model.config import (
 from ..parallel.device import DEVICES
 from .checkpoint_flags import add_checkpoint_args, refuse_urls, validate_checkpoint_args
 from .errors import ArgumentError
+from .logging_flags import add_logging_backend_args, validate_logging_args
 
 if TYPE_CHECKING:
     from ..parallel.dims import ParallelDims
@@ -122,6 +124,7 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-file", default=None, help="append one JSON line per iteration")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="live progress line (default: when stdout is a terminal)")
+    add_logging_backend_args(g)  # TensorBoard, W&B: see train/logging_flags.py
 
 
 def build_parser(prog: str = "peftckpt train") -> argparse.ArgumentParser:
@@ -248,6 +251,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     validate_checkpoint_args(args)
+    validate_logging_args(args)
 
 
 #: Flags (argparse dests) that describe the architecture: the GPTConfig fields.
@@ -270,25 +274,29 @@ def _manifest_of(path: str | None) -> Manifest | None:
     if not path:
         return None
     from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.location.locate import manifest_at
+    from ..interop.architecture import ArchitectureMismatchError, checked_manifest
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return manifest_at(path)
+            return checked_manifest(path)  # its architecture held to the stored tensors before anything is built
+    except ArchitectureMismatchError:
+        raise
     except CheckpointError:
         return None  # the load itself reports a missing or bad checkpoint, with its own flag semantics
 
 
-def _model_config_of(path: str | None) -> dict[str, Any]:
-    """The architecture recorded by a checkpoint's manifest, or given by an HF directory's config.json."""
+def _model_config_of(path: str | None, flag: str = "") -> dict[str, Any]:
+    """The architecture recorded by a checkpoint's manifest, or given by an HF directory's config.json (which is
+    held to its safetensors headers: a directory that does not fit is refused now, before any model is built)."""
+    from ..checkpoint.errors import CheckpointFormatError
     from ..interop import HFModelDir, InteropError, is_hf_dir
 
     if path and is_hf_dir(path):
         try:
             return HFModelDir(path).config.to_dict()
-        except InteropError:
-            return {}  # the load reports it, naming the file
+        except InteropError as e:
+            raise CheckpointFormatError(f"{flag}: {e}" if flag else str(e)) from None
     manifest = _manifest_of(path)
     return manifest.model_config if manifest is not None else {}
 
@@ -299,14 +307,24 @@ def apply_checkpoint_defaults(args: argparse.Namespace, given: set[str]) -> list
     adapter config. Returns one note per source used. A flag given explicitly always wins (and a
     mismatch with the checkpoint is then reported by the load)."""
     notes = []
+    args.inherited = {}  # dest -> where its value came from: errors about it say so (see validate)
     for flag, path in (("--pretrained-checkpoint", args.pretrained_checkpoint), ("--load", args.load)):
-        config = _model_config_of(path)
+        config = _model_config_of(path, flag)
         taken = [d for d in MODEL_DESTS if d not in given and d in config]
         if taken:
             for d in taken:
                 setattr(args, d, config[d])
-            notes.append(f"architecture flags from {flag} {path}: {', '.join(taken)}")
+                args.inherited[d] = f"{flag} {path}"
+            values = ", ".join(_flag_value(d, config[d]) for d in taken)
+            notes.append(f"architecture flags from {flag} {path}: {values}")
             break
+    mpe = args.inherited.get("max_position_embeddings")
+    if mpe is not None and "seq_length" not in given and args.seq_length > args.max_position_embeddings:
+        # The default follows the base: a base made for 32 positions trains and evaluates at 32.
+        args.seq_length = args.max_position_embeddings
+        args.inherited["seq_length"] = f"the max_position_embeddings of {mpe}"
+        notes.append(f"--seq-length {args.seq_length}: the longest sequence the base supports (its "
+                     f"max_position_embeddings, from {mpe}); the default 64 would exceed it")
     load_manifest = _manifest_of(args.load)
     adapter = load_manifest.adapter_config if load_manifest is not None else None
     if adapter and "lora_rank" not in given:
@@ -314,9 +332,32 @@ def apply_checkpoint_defaults(args: argparse.Namespace, given: set[str]) -> list
             if dest not in given and key in adapter:
                 value = adapter[key]
                 setattr(args, dest, list(value) if isinstance(value, list | tuple) else value)
+                args.inherited[dest] = f"--load {args.load}"
         notes.append(f"LoRA flags from --load {args.load}: rank {args.lora_rank}, targets "
                      f"{' '.join(args.lora_target_modules)}")
     return notes
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _flag_value(dest: str, value: Any) -> str:
+    """``dest`` = ``value`` as it would be typed: ``--hidden-size 32``, ``--swiglu`` / ``--no-swiglu``."""
+    if isinstance(value, bool):
+        return _flag(dest) if value else "--no-" + dest.replace("_", "-")
+    return f"{_flag(dest)} {value}"
+
+
+def with_sources(error: ArgumentError, args: argparse.Namespace) -> ArgumentError:
+    """``error`` with where each value it names came from, for the flags the user did not type (taken from a
+    checkpoint: :func:`apply_checkpoint_defaults`), so no message is about a value the user never saw."""
+    inherited: dict[str, str] = getattr(args, "inherited", {})
+    named = [d for d in inherited if re.search(re.escape(_flag(d)) + r"\b", str(error))]
+    if not named:
+        return error
+    sources = "; ".join(f"{_flag(d)} {getattr(args, d)} came from {inherited[d]}" for d in named)
+    return ArgumentError(f"{error} ({sources}; pass the flag to override)")
 
 
 def parse_train_args(argv: Sequence[str] | None, world_size: int,
@@ -332,5 +373,8 @@ def parse_train_args(argv: Sequence[str] | None, world_size: int,
     if args.save_trainable_params_only and args.lora_rank == 0:
         args.checkpoint_defaults.append("--save-trainable-params-only without LoRA (--lora-rank 0): every parameter "
                                         "trains, so each checkpoint holds the whole model")
-    validate(args, world_size)
+    try:
+        validate(args, world_size)
+    except ArgumentError as e:
+        raise with_sources(e, args) from None
     return args

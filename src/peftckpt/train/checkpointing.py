@@ -146,7 +146,9 @@ class TrainerCheckpointing:
             res = self.ckpt.load(a.load, self._load_options(), model_only=a.finetune)
         except CheckpointNotFoundError as e:
             if a.exit_on_missing_checkpoint:
-                raise CheckpointError(f"--exit-on-missing-checkpoint: {e}") from None
+                missing = CheckpointError(f"--exit-on-missing-checkpoint: {e}")
+                missing.every_rank = e.every_rank  # an agreed error stays agreed: said once
+                raise missing from None
             said = "does not exist" if locate(a.load, "--load").known_missing() else "holds no committed checkpoint"
             t.logger.info(f"--load {a.load} {said}; starting from scratch (--exit-on-missing-checkpoint makes "
                           "this an error)")
@@ -205,12 +207,17 @@ class TrainerCheckpointing:
     def stop(self, stop: Stop) -> str:
         """After the ranks agreed to stop on a signal: save first if the signal asks for it (and this iteration
         is not saved yet), let a save in flight commit, and say where the run can resume from."""
-        a, t = self.args, self.trainer
+        t = self.trainer
         if stop.save:
             self.finish()  # --exit-signal-handler requires --save
         else:
             self.ckpt.wait()
-        said = f"{'stopped by' if stop.save else 'interrupted by'} {stop.name} at iteration {t.iteration}"
+        return self.where_to_resume(
+            f"{'stopped by' if stop.save else 'interrupted by'} {stop.name} at iteration {t.iteration}")
+
+    def where_to_resume(self, said: str) -> str:
+        """``said`` (why the run ended early), then what is committed to resume from and how."""
+        a = self.args
         if not a.save:
             return f"{said}; nothing was saved (no --save)"
         last = tracker_at(a.save)

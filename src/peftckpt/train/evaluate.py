@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.checks.strictness import StrictHandling
+from ..checkpoint.errors import CheckpointError
 from ..cli.parsing import say_once
 from .args import ArgumentError, build_parser, parse_train_args
 
@@ -75,6 +76,9 @@ def eval_main(argv: Sequence[str]) -> int:
     except ArgumentError as e:
         say_once("peftckpt eval", e, rank, world_size)
         return 2
+    except CheckpointError as e:  # a base or checkpoint whose architecture contradicts its files
+        say_once("peftckpt eval", e, rank, world_size)
+        return 1
     def body() -> None:
         report = evaluate(args, world_size, rank)
         if rank != 0:

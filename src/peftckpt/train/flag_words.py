@@ -23,6 +23,8 @@ FLAG_WORDS: list[tuple[str, str]] = [
     (r"ckpt_format '(torch_dist|torch)'", r"--ckpt-format \1"),
     (r"\(a distributed optimizer\)", "(--use-distributed-optimizer)"),
     (r"LoadOptions\(verify_checksums=False\)", "--no-verify-checksums"),
+    (r"Checkpointer\.load\('([^'\n]*)'\)", r"--load \1"),
+    (r"Checkpointer\.load\(\"([^\"\n]*)\"\)", r"--load \1"),
     (r"LoadOptions\(verify_base=False\)", "--no-verify-base"),
     (r"LoadOptions\(load_optim=False\)", "--no-load-optim"),
     (r"LoadOptions\.strictness = ", "--dist-ckpt-strictness "),

@@ -8,6 +8,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -74,6 +75,10 @@ def run_with_process_group(body: Callable[[], None], world_size: int, rank: int,
         if dist.is_initialized():
             if agreed:
                 dist.barrier()
+                if code and threading.current_thread() is threading.main_thread():
+                    # Every rank now leaves with this same code; a launcher that sees a peer exit first stops the
+                    # others with SIGTERM, which would end this rank with another code mid-teardown.
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
             dist.destroy_process_group()
     return code
 

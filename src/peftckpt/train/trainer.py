@@ -30,7 +30,7 @@ from .args import ArgumentError, lora_config, model_config, parallel_dims
 from .checkpointing import TrainerCheckpointing
 from .data import GlobalBatchSampler, TokenDataset, build_datasets, dp_slice
 from .interrupts import RunStopped, StopSignals
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, open_writers
 from .schedule import OptimizerParamScheduler
 
 __all__ = ["Trainer", "build_optimizer", "seed_everything"]
@@ -132,6 +132,29 @@ class Trainer:
         """Called right before each optimizer step (the checkpointing sets it to its async snapshot's fence)."""
 
     # ----------------------------------------------------------------------------------------- setup
+    def summary(self) -> str:
+        """The run at a glance (printed at start): world and layout, model, and parameters -- total,
+        trainable, frozen -- of the whole model, counted on a meta-device copy (nothing allocated), so every
+        layout reports the same numbers."""
+        c, d = self.config, self.dims
+        whole = GPTModel(c, None, device="meta")
+        if self.lora is not None:
+            apply_lora([whole], self.lora, self.args.seed)
+        total = sum(p.numel() for p in whole.parameters())
+        trainable = sum(p.numel() for p in whole.parameters() if p.requires_grad)
+        layout = f"TP {d.tp} x PP {d.pp}" + (f" (x {d.vpp} virtual)" if d.vpp > 1 else "") + f" x DP {d.dp}"
+        if self.fsdp:
+            layout += ", distributed optimizer"
+        lora = ("full fine-tuning" if self.lora is None else
+                f"LoRA rank {self.lora.rank} alpha {self.lora.alpha:g} on {' '.join(self.lora.target_modules)}")
+        kv = f" ({c.groups} KV groups)" if c.groups != c.num_attention_heads else ""
+        frozen_dtype = "bf16" if self.base_dtype == torch.bfloat16 else "fp32"
+        return (f"world {d.world_size}: {layout} on {self.device.type}; model: {c.num_layers} layers, hidden "
+                f"{c.hidden_size}, {c.num_attention_heads} heads{kv}, vocab {c.vocab_size}, seq "
+                f"{self.args.seq_length}; {lora}\n"
+                f"parameters: {total:,} total, {trainable:,} trainable ({100 * trainable / max(1, total):.4f} %), "
+                f"{total - trainable:,} frozen ({frozen_dtype})")
+
     def reseed(self, iteration: int) -> None:
         """Deterministic per-rank RNG seeds, equal across TP ranks: an activation every TP rank holds whole gets
         the same dropout mask on each, a sharded one each rank's slice of one shared draw
@@ -280,10 +303,18 @@ class Trainer:
             yield self.iteration, loss
 
     def run(self) -> list[float]:
+        """:meth:`_run`, the metrics also written to TensorBoard and W&B when asked (rank 0 opens them here),
+        flushed and closed however the run ends: finished, stopped by a signal, or failed."""
+        with self.logger.writing_to(open_writers(self.args) if self.rank == 0 else ()):
+            return self._run()
+
+    def _run(self) -> list[float]:
         """Restore (``--pretrained-checkpoint``, ``--load``), train with periodic saves, save at the end;
         or only convert a checkpoint (``--ckpt-convert-format``). Returns this run's per-iteration losses."""
         for note in getattr(self.args, "checkpoint_defaults", []):
             self.logger.info(note)
+        if self.rank == 0:
+            self.logger.info(self.summary())
         ckpt = TrainerCheckpointing(self)
         ckpt.restore()
         if self.args.ckpt_convert_format:
@@ -300,5 +331,9 @@ class Trainer:
             ckpt.close()
             raise RunStopped(message, stop.exit_code)
         ckpt.finish()
+        if self.iteration < self.args.train_iters and self.rank == 0:  # --exit-interval ended the run
+            self.logger.info(ckpt.where_to_resume(
+                f"--exit-interval {self.args.exit_interval}: stopped at iteration {self.iteration} of "
+                f"{self.args.train_iters}"))
         ckpt.close()
         return self.losses

@@ -4,16 +4,17 @@ caller can agree on it across ranks before anything is read."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...sharding.entries import GlobalTensor
-from ..errors import CheckpointIntegrityError, CheckpointMismatchError, StrictnessError
+from ..errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointMismatchError, StrictnessError
 from ..storage.manifest import Manifest
 from .strictness import StrictHandling
 
-__all__ = ["adapter_mismatch", "architecture_mismatch", "base_mismatch", "damaged", "optimizer_state_missing",
-           "shape_mismatch"]
+__all__ = ["adapter_mismatch", "architecture_mismatch", "base_mismatch", "damaged", "is_damage", "EarlierCheckpoints",
+           "damage_hint", "optimizer_state_missing", "shape_mismatch"]
 
 
 def damaged(ckpt: Path, problems: list[str], after_read: bool = False) -> CheckpointIntegrityError | None:
@@ -22,9 +23,60 @@ def damaged(ckpt: Path, problems: list[str], after_read: bool = False) -> Checkp
         return None
     return CheckpointIntegrityError(
         f"checkpoint {ckpt} is damaged:\n  " + "\n  ".join(problems)
-        + ("\n(LoadOptions(verify_checksums=False) skips the checksums)" if any("checksum mismatch" in p for p in problems) else "")
         + ("\nits data files were checked while they were read, so the model and optimizer may hold "
            "values from them: load again from an intact checkpoint" if after_read else ""))
+
+
+def is_damage(e: BaseException) -> bool:
+    """Whether ``e`` says that the files of the checkpoint a load resolved are damaged: a checksum, a missing,
+    truncated or unlisted file, unreadable bytes (:class:`CheckpointIntegrityError`), or a manifest that cannot
+    be read or parsed (its messages start with ``manifest``; a manifest of a newer format version is not damage)."""
+    if isinstance(e, CheckpointIntegrityError):
+        return True
+    return isinstance(e, CheckpointFormatError) and str(e).startswith("manifest ")
+
+
+@dataclass
+class EarlierCheckpoints:
+    """What a search for the newest intact committed checkpoint before a damaged one found (newest first)."""
+
+    location: str
+    """The save location searched, as messages name it."""
+    intact: str | None = None
+    """The newest intact earlier checkpoint, as the library loads it (a path or a URL); ``None``: none found."""
+    intact_iteration: int | None = None
+    damaged: list[int] = field(default_factory=list)
+    """Earlier iterations that were verified and found damaged, newest first."""
+    unchecked: int = 0
+    """Earlier committed iterations left unverified (the search stops after a few)."""
+
+
+def damage_hint(earlier: EarlierCheckpoints | None, checksums_help: bool) -> str:
+    """The lines a damage error of a load ends with: the newest intact earlier checkpoint and how to load it, or
+    that there is none; skipping the checksums (``checksums_help``: they are what failed, and skipping them is
+    possible) only as the last resort. ``earlier`` is ``None`` when the checkpoint is not in a save location."""
+    lines = []
+    if earlier is not None:
+        also = ""
+        if earlier.damaged:
+            its = ", ".join(map(str, earlier.damaged))
+            also = f" (iteration{'s' if len(earlier.damaged) > 1 else ''} {its} {'are' if len(earlier.damaged) > 1 else 'is'} damaged too)"
+        if earlier.intact is not None:
+            lines.append(f"the newest intact earlier checkpoint in {earlier.location} is iteration "
+                         f"{earlier.intact_iteration}{also}: resume from it explicitly with "
+                         f"Checkpointer.load({earlier.intact!r}) (a load never goes back to an earlier checkpoint "
+                         "by itself)")
+        elif earlier.unchecked:
+            lines.append(f"no intact earlier checkpoint among the {len(earlier.damaged)} newest in {earlier.location}"
+                         f"{also}; `peftckpt verify --all {earlier.location}` checks the {earlier.unchecked} older one(s)")
+        elif earlier.damaged:
+            lines.append(f"no intact earlier checkpoint in {earlier.location}{also}")
+        else:
+            lines.append(f"no intact earlier checkpoint in {earlier.location} (none is committed before it)")
+    if checksums_help and (earlier is None or earlier.intact is None):
+        lines.append(("as a last resort, " if earlier is not None else "")
+                     + "LoadOptions(verify_checksums=False) loads it without its checksums, damaged bytes and all")
+    return "".join(f"\n{line}" for line in lines)
 
 
 def architecture_mismatch(model_config: Mapping[str, Any], manifest: Manifest, ckpt: Path

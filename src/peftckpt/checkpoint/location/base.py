@@ -12,6 +12,7 @@ Names passed to a location (``rel``) are ``/``-separated and relative to it; ``"
 from __future__ import annotations
 
 import contextlib
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,13 @@ class CommittedCopy:
     problems: list[str] | None = None
     """Objects that were missing, resized, damaged or unlisted (named by URL); ``None``: nothing was verified
     while fetching (a directory: the tool verifies it)."""
+    fetched_into: Path | None = None
+    """The directory a fetched copy was made in, deleted by :meth:`release` (``None``: nothing to delete)."""
+
+    def release(self) -> None:
+        """Delete a fetched copy now (one verified checkpoint after another need not pile up until exit)."""
+        if self.fetched_into is not None:
+            shutil.rmtree(self.fetched_into, ignore_errors=True)
 
     @property
     def verified(self) -> bool:

@@ -301,12 +301,12 @@ class StorePrefix(Location):
 
     def committed_copy(self) -> CommittedCopy:
         """Resolve the location and download its committed checkpoint into a fresh local copy, every object
-        verified as it streams; the copy is deleted when the process exits."""
+        verified as it streams; the copy is deleted by :meth:`CommittedCopy.release`, or when the process exits."""
         rel, iteration = protocol.resolve(self)
         local = cache_root() / "fetch" / secrets.token_hex(6) / iteration_dirname(iteration)
         atexit.register(shutil.rmtree, local.parent, True)
         manifest, problems = self._download(rel, local)
-        return CommittedCopy(local, self.store.url_of(rel), iteration, manifest, problems)
+        return CommittedCopy(local, self.store.url_of(rel), iteration, manifest, problems, fetched_into=local.parent)
 
     def _download(self, rel: str, local: Path) -> tuple[Manifest, list[str]]:
         """The checkpoint ``rel`` into ``local``: its recorded objects, verified as they stream, then its manifest;

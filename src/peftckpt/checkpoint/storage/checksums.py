@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from peftckpt.checkpoint.errors import CheckpointFormatError
 from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
-from peftckpt.checkpoint.storage.manifest import CHECKSUM_ALGORITHM, Manifest
+from peftckpt.checkpoint.storage.manifest import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, Manifest
 from peftckpt.checkpoint.storage.paths import recorded_file_problem
 
 __all__ = [
@@ -71,6 +71,8 @@ def new_digest(algorithm: str) -> Digest:
     """A fresh hash object: ``xxh3_128`` / ``xxh3_64`` (xxhash) or any hashlib algorithm.
 
     Raises :class:`CheckpointFormatError` for an algorithm this installation cannot compute."""
+    if algorithm not in CHECKSUM_ALGORITHMS:  # e.g. SHAKE, whose hexdigest() needs a length
+        raise CheckpointFormatError(f"unknown checksum algorithm {algorithm!r}")
     if algorithm in _XXHASH:
         try:
             import xxhash

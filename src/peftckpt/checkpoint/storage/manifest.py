@@ -26,6 +26,7 @@ from ...json_text import parse_json
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "CHECKSUM_ALGORITHMS",
     "FORMAT_VERSION",
     "KNOWN_FORMATS",
     "TORCH",
@@ -39,6 +40,12 @@ FORMAT_VERSION = 1
 
 CHECKSUM_ALGORITHM = "xxh3_128"
 """Checksum recorded in new manifests (see :mod:`~peftckpt.checkpoint.storage.checksums` for why)."""
+
+CHECKSUM_ALGORITHMS: tuple[str, ...] = ("xxh3_128", "xxh3_64", *sorted(
+    hashlib.algorithms_guaranteed - {"shake_128", "shake_256"}))
+"""The ``checksum_algorithm`` values a manifest may record: XXH3 (xxhash) and every fixed-length hash that
+hashlib has everywhere (older checkpoints record ``sha256``). SHAKE is left out: its digest length is not part of
+its name."""
 
 MANIFEST_MAX_BYTES = 256 << 20
 """Largest manifest read (one of a 70B model with every key recorded is a few MB)."""
@@ -154,6 +161,10 @@ class Manifest:
         for name, check, expected in _FIELD_CHECKS:
             if name in raw and not check(raw[name]):
                 problems.append(f"field {name!r} must be {expected}, got {_short(raw[name])}")
+        algorithm = raw.get("checksum_algorithm")
+        if isinstance(algorithm, str) and algorithm not in CHECKSUM_ALGORITHMS:
+            problems.append(f"unknown checksum_algorithm {_short(algorithm)}, which this peftckpt cannot verify "
+                            f"(supported: {', '.join(CHECKSUM_ALGORITHMS)})")
         if "format" in raw and isinstance(raw["format"], str) and raw["format"] not in KNOWN_FORMATS:
             problems.append(f"unknown format {raw['format']!r} (known: {', '.join(KNOWN_FORMATS)})")
         for name in ("saved_keys", "excluded_keys"):
