@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,49 @@ def test_examples_run_as_the_readme_shows(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr[-3000:]
         assert "losses:" in done.stdout and "exported:" in done.stdout, done.stdout
         assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_single_process_example(tmp_path: Path) -> None:
+    """The one-process loop in this process: a run stopped after step 5 (its last checkpoint at 4) and resumed
+    gives the losses of a run never interrupted, bit for bit; a checkpoint holds the adapters and their Adam
+    moments, not the frozen base."""
+    ex = _example("single_process_lora")
+    straight = ex.train(str(tmp_path / "straight"), steps=8, save_every=2)
+    first = ex.train(str(tmp_path / "resumed"), steps=8, save_every=2, stop_at=5)
+    second = ex.train(str(tmp_path / "resumed"), steps=8, save_every=2)
+    assert list(straight) == list(range(1, 9)) and list(first) == list(range(1, 6))
+    assert list(second) == list(range(5, 9)), "the resume did not start after the newest checkpoint (step 4)"
+    assert {**first, **second} == straight, "the resumed run's losses differ from the uninterrupted run's"
+    assert sum(list(straight.values())[-3:]) < sum(list(straight.values())[:3])  # it learns
+    sizes = ex.checkpoint_bytes(str(tmp_path / "straight"))
+    base = sum(p.numel() * p.element_size() for p in ex.build().parameters() if not p.requires_grad)
+    assert len(sizes) == 4 and max(sizes.values()) < base / 2, (sizes, base)
+
+
+def test_single_process_example_as_the_readme_shows(tmp_path: Path) -> None:
+    """The README's commands for the one-process example, as pasted (``.venv/bin/python`` is this interpreter),
+    print the losses of an uninterrupted run after the resume, and nothing on stderr: no warnings, no torch
+    notice about a missing process group; and the README's library snippet is this example's loop."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    snippet = re.search(r"^### As a library\n\n```python\n(.*?)^```", readme, re.S | re.M)
+    assert snippet is not None
+    loop = snippet.group(1).split("\n\n", 1)[1]  # after the import line
+    source = (EXAMPLES / "single_process_lora.py").read_text()
+    assert "\n".join("    " + line if line else line for line in loop.splitlines()) in source
+    assert snippet.group(1).split("\n\n", 1)[0] in source  # the import
+    commands = [line.split() for line in readme.splitlines() if line.startswith(".venv/bin/python examples/single")]
+    assert len(commands) == 2
+    work = tmp_path / "work"
+    printed: list[tuple[int, str]] = []
+    for command in commands:
+        command = [sys.executable, *command[1:]]
+        command[command.index("--workdir") + 1] = str(work)
+        done = subprocess.run(command, cwd=EXAMPLES.parent, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
+        printed += [(int(step), loss) for step, loss in re.findall(r"^step +(\d+) +loss (\S+)$", done.stdout, re.M)]
+    straight = _example("single_process_lora").train(str(tmp_path / "straight"), steps=12)
+    # steps 1-7, then 7-12: step 7 ran before the stop and again after the resume from step 6
+    assert [step for step, _ in printed] == [*range(1, 8), *range(7, 13)], printed
+    assert printed == [(step, f"{straight[step]:.6f}") for step, _ in printed], "losses differ from a straight run's"
+

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from peftckpt.checkpoint import load as load_module
+from peftckpt.checkpoint import load_damage as load_module
 from peftckpt.checkpoint.api import LoadOptions
 from peftckpt.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointMismatchError
 from peftckpt.checkpoint.tools.verify import newest_intact_before, verify_all

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from peftckpt.checkpoint.state import fingerprint as fingerprint_module
+from peftckpt.checkpoint.state import fingerprint_sums
 from peftckpt.checkpoint.state.fingerprint import Fingerprinting, base_fingerprint
 from peftckpt.sharding.entries import GlobalTensor, Piece, global_tensor_of
 
@@ -208,9 +209,9 @@ def test_v3_long_and_unaligned_runs(dtype: torch.dtype, monkeypatch: pytest.Monk
     """Runs longer than one summed row, rows whose phase in the periodic weights differs (a row length that
     the period does not divide), and tiles of many rows: every split equals the whole tensor."""
     monkeypatch.setattr(fingerprint_module, "_RUN", 64)  # long runs at a small size
-    monkeypatch.setattr(fingerprint_module, "_TILE_V3", 256)
-    monkeypatch.setattr(fingerprint_module, "_PERIOD", 7)
-    monkeypatch.setattr(fingerprint_module, "_R", fingerprint_module._R[:7])
+    monkeypatch.setattr(fingerprint_sums, "_TILE_V3", 256)
+    monkeypatch.setattr(fingerprint_sums, "_PERIOD", 7)
+    monkeypatch.setattr(fingerprint_sums, "_R", fingerprint_sums._R[:7])
     t, whole = _check_odd_splits(dtype)
     changed = t.clone()
     changed[39, 36] += 1
@@ -239,7 +240,7 @@ def test_v4_without_int_mm_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     t = torch.randn(130, 200, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     entries = {"w": _rows(t, [0, 7, 130]), "b": _whole(torch.randn(77))}
     fast = base_fingerprint(entries, False, 4)
-    monkeypatch.setattr(fingerprint_module, "_INT_MM", [False])
+    monkeypatch.setattr(fingerprint_sums, "_INT_MM", [False])
     assert base_fingerprint(entries, False, 4) == fast
 
 

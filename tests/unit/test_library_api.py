@@ -260,6 +260,19 @@ def test_with_block_commits_and_releases(tmp_path: Path) -> None:
     assert _lock_is_free(tmp_path)
 
 
+class _Position:
+    """A data loader's position, as the README's example checkpoints it."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
 def test_the_readme_library_example_runs_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("### As a library"):]
@@ -267,7 +280,15 @@ def test_the_readme_library_example_runs_and_resumes(tmp_path: Path, monkeypatch
     monkeypatch.chdir(tmp_path)
     for steps in (200, 300):
         model, optimizer, scheduler = _setup(0)
-        scope: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "steps": steps}
+        data = _Position()
+
+        def train_step(model: Adapted, optimizer: Any, scheduler: Any, data: _Position) -> float:
+            data.position += 1
+            return _train(model, optimizer, scheduler, 1, seed=data.position)[0]
+
+        scope: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "steps": steps,
+                                 "data": data, "train_step": train_step, "losses": {}, "workdir": "runs/x",
+                                 "save_every": 100}
         exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
         assert scope["start"] == steps - 100 - (100 if steps == 200 else 0)
     assert read_tracker(tmp_path / "runs" / "x") == 300

@@ -138,9 +138,11 @@ def _commit(comm: Collectives, c: PendingCommit) -> None:
             manifest = build_manifest(c, records)
             steps = {"manifest_written": "before_rename", "renamed": "before_tracker"}
 
-            def on_step(step: str) -> None:
+            iteration = c.iteration
+
+            def on_step(step: str) -> None:  # called back by the location at each step it reaches
                 reached.append(step)
-                fault_point(steps[step], comm.rank, c.iteration)
+                fault_point(steps[step], comm.rank, iteration)
 
             protocol.commit(c.location, c.target, manifest.to_json(), on_step=on_step)
             reached.append("tracker")

@@ -21,13 +21,10 @@ import torch
 
 from ..sharding.entries import GlobalTensor
 from .checks.load_checks import (
-    EarlierCheckpoints,
     adapter_mismatch,
     architecture_mismatch,
     base_mismatch,
-    damage_hint,
     damaged,
-    is_damage,
     shape_mismatch,
 )
 from .checks.strictness import KeyReport, check_keys
@@ -40,12 +37,10 @@ from .errors import (
     as_read_error,
     unwrap_dcp_error,
 )
+from .load_damage import explain_damage
 from .load_objects import apply_objects, objects_to_read
 from .location import protocol
-from .location.base import Location
-from .location.directory import resolve_checkpoint_dir
 from .location.locate import locate
-from .location.names import parse_iteration_dirname
 from .options import LoadOptions, LoadResult
 from .rank_parts import RankParts
 from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting, fingerprint_version
@@ -54,7 +49,6 @@ from .storage.checksums import files_share, is_data_file, verify_checksums, veri
 from .storage.dcp_reader import has_block_index
 from .storage.formats import StorageFormat, StoredCheckpoint, storage_format
 from .storage.manifest import Manifest, read_manifest
-from .tools.verify import newest_intact_before
 
 __all__ = ["Loads"]
 
@@ -82,7 +76,10 @@ class Loads:
         files in a background thread, finished by :meth:`_read`."""
         found: CheckpointError | None = None
         try:
-            ckpt, iteration = resolve_checkpoint_dir(path)
+            local = locate(path, "checkpoint")  # local: a store's checkpoint is read from a copy (_located)
+            rel, iteration = protocol.resolve(local)
+            ckpt = local.local_dir(rel)
+            assert ckpt is not None
             manifest = read_manifest(ckpt)
         except CheckpointError as e:  # alike on every rank as a rule (one location): agreed, so said once
             found = e
@@ -132,33 +129,16 @@ class Loads:
                checksums; apply extra state, optimizer groups, the checkpointer's states (in place) and the
                RNG state.
         A checkpoint found damaged at any step is an error that also names the newest intact earlier checkpoint
-        of its save location (:meth:`_explain_damage`); the load never falls back to it by itself.
+        of its save location (:mod:`~peftckpt.checkpoint.load_damage`); the load never falls back to it by itself.
         """
         options = options or LoadOptions()
         try:
             with self._located(path, options) as (local, located_options, url):
                 result = self._load(local, located_options, model_only)
         except Exception as e:
-            self._explain_damage(e, path, search_earlier=True)
+            explain_damage(self.comm, e, path, search_earlier=True)
             raise
         return result if url is None else replace(result, path=url)
-
-    def _explain_damage(self, e: Exception, path: str | os.PathLike[str], search_earlier: bool) -> None:
-        """Append to the agreed error ``e`` of a load from ``path`` (in place), when it reports damage, what to do
-        instead: rank 0 looks for the newest intact earlier checkpoint (:func:`_damage_hint`) while the other ranks
-        wait for its answer, so every rank's error says the same (collective: an agreed error is raised by every
-        rank; any other error is left as it is, with no collective)."""
-        if not getattr(e, "every_rank", False):
-            return
-        hint: str | None = None
-        if self.comm.rank == 0 and is_damage(e):
-            try:
-                hint = _damage_hint(str(e), path, search_earlier)
-            except Exception:  # noqa: BLE001 - the error itself is what matters; the hint is a help
-                hint = None
-        hint = self.comm.broadcast_from_first(hint)
-        if hint and e.args and isinstance(e.args[0], str):
-            e.args = (e.args[0] + hint, *e.args[1:])
 
     @contextlib.contextmanager
     def _located(self, path: str | os.PathLike[str], options: LoadOptions
@@ -353,7 +333,7 @@ class Loads:
                 result = self._load_pretrained(local, located_options)
         except Exception as e:
             # No earlier checkpoint is offered: an earlier base is another base (its fingerprint differs).
-            self._explain_damage(e, path, search_earlier=False)
+            explain_damage(self.comm, e, path, search_earlier=False)
             raise
         return result if url is None else replace(result, path=url)
 
@@ -386,25 +366,3 @@ class Loads:
             self._read(request, stored, verification, fingerprinting)
         return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))
 
-
-def _damage_hint(message: str, path: str | os.PathLike[str], search_earlier: bool) -> str:
-    """What a damage error (``message``) of a load from ``path`` adds (one process): with ``search_earlier``, the
-    newest intact checkpoint of the save location before the damaged one (verified, at most a few tried) or that
-    there is none; skipping the checksums only as the last resort, where it could help (checksums failed, on a
-    directory: a store's objects are always hashed as they are fetched)."""
-    loc = locate(path, "checkpoint")
-    checksums_help = loc.local_dir() is not None and "checksum mismatch" in message
-    earlier: EarlierCheckpoints | None = None
-    if search_earlier:
-        try:
-            with warnings.catch_warnings():  # the load already said how it resolved the location
-                warnings.simplefilter("ignore")
-                rel, iteration = protocol.resolve(loc)
-            save: Location | None = loc
-            if not rel:  # a checkpoint itself: its save location, if it is an iter_* in one
-                save = locate(loc.parent, "checkpoint") if parse_iteration_dirname(loc.name) is not None else None
-            if save is not None:
-                earlier = newest_intact_before(save, iteration)
-        except CheckpointError:
-            earlier = None
-    return damage_hint(earlier, checksums_help)
