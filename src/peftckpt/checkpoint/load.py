@@ -78,8 +78,7 @@ class Loads:
         try:
             local = locate(path, "checkpoint")  # local: a store's checkpoint is read from a copy (_located)
             rel, iteration = protocol.resolve(local)
-            ckpt = local.local_dir(rel)
-            assert ckpt is not None
+            ckpt = Path(local.ref(rel))
             manifest = read_manifest(ckpt)
         except CheckpointError as e:  # alike on every rank as a rule (one location): agreed, so said once
             found = e
