@@ -4,14 +4,17 @@ a save and of a re-save, retention, the run lock, damage named."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import threading
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 
 import pytest
 import torch
@@ -286,3 +289,73 @@ def test_a_lease_taken_over_is_found_on_the_store_before_anything_is_cleaned(whe
         ckpt.save(where, 2)
     assert "iter_0000005" in loc.names() and protocol.list_committed(loc) == [1]
     ckpt.close()
+
+
+def _follow(call: Callable[[], object], where: str) -> tuple[Counter[str], list[str]]:
+    """Follow the save location through ``call()`` as a reader would: every call into ``peftckpt.checkpoint``
+    that is handed the location -- a ``Location``, a ``SaveTarget`` or ``PendingCommit`` (which hold one), the path
+    or URL itself or one inside it; ``self`` included, property reads excluded. Returns how often each module is
+    entered (a function's calls into another module count once) and the calls that entered a module already on
+    the stack above them (the path coming back up)."""
+    from peftckpt.checkpoint.commit import PendingCommit
+    from peftckpt.checkpoint.location.base import SaveTarget
+
+    package = str(Path(protocol.__file__).parents[1]) + os.sep
+    prefix = where.rstrip("/") + "/"
+
+    def carries(value: object) -> bool:
+        if isinstance(value, (Location, SaveTarget, PendingCommit)):
+            return True
+        text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+        return isinstance(text, str) and (text == where or text.startswith(prefix))
+
+    stack: list[tuple[FrameType, str | None]] = []
+    entries: Counter[str] = Counter()
+    entered: set[tuple[int, str]] = set()
+    back_up: list[str] = []
+
+    def profile(frame: FrameType, event: str, _arg: object) -> None:
+        if event == "return" and stack and stack[-1][0] is frame:
+            stack.pop()
+        if event != "call":
+            return
+        code, module = frame.f_code, None
+        if code.co_filename.startswith(package):
+            me = frame.f_locals.get("self")
+            read = me is not None and isinstance(getattr(type(me), code.co_name, None), property)
+            handed = list(frame.f_locals.values())[:code.co_argcount + code.co_kwonlyargcount]
+            if not read and any(carries(v) for v in handed):
+                module = os.path.relpath(code.co_filename, package)
+        if module is not None:
+            above = [m for _, m in stack if m is not None]
+            caller = next((f for f, m in reversed(stack) if m is not None), None)
+            if not above or above[-1] != module:
+                if (id(caller), module) not in entered:
+                    entered.add((id(caller), module))
+                    entries[module] += 1
+                if module in above:
+                    back_up.append(" > ".join(above) + f" -> {module}:{code.co_name}")
+        stack.append((frame, module))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entries, back_up
+
+
+def test_a_save_and_a_load_read_top_down(where: str) -> None:
+    """Following the location through ``Checkpointer.save`` and ``Checkpointer.load``: no module is entered again
+    from below (the orchestration calls the protocol, the protocol the location, never back), and the modules that
+    orchestrate -- api, save, commit, load, load_objects -- are each entered once."""
+    ckpt, _ = small_checkpointer(seed=0)
+    ckpt.save(where, 1)  # the location exists and holds a committed checkpoint; the traced save re-plans nothing new
+    saved, save_back_up = _follow(lambda: ckpt.save(where, 2), where)
+    target, _ = small_checkpointer(seed=1)
+    loaded, load_back_up = _follow(lambda: target.load(where), where)
+    assert save_back_up == [] and load_back_up == []
+    assert {m: saved[m] for m in ("api.py", "save.py", "commit.py")} == {"api.py": 1, "save.py": 1, "commit.py": 1}
+    assert {m: loaded[m] for m in ("api.py", "load.py")} == {"api.py": 1, "load.py": 1}
+    assert loaded["load_objects.py"] <= 1
+    assert saved["location/protocol.py"] >= 1 and loaded["location/protocol.py"] >= 1  # the tracer sees the protocol

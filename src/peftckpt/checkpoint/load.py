@@ -150,7 +150,7 @@ class Loads:
         except CheckpointError as e:
             e.every_rank = True
             raise
-        with location.reading(self.comm) as (local, url):
+        with protocol.reading(location, self.comm) as (local, url):
             yield (path, options, None) if url is None else (local, replace(options, verify_checksums=False), url)
 
     def _load(self, path: str | os.PathLike[str], options: LoadOptions, model_only: bool) -> LoadResult:

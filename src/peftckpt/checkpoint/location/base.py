@@ -248,15 +248,20 @@ class Location(ABC):
             raise
 
     # ---------------------------------------------------------------------------------------- loads
+    fetched_to_read: ClassVar[bool] = False
+    """Whether a load reads a local copy of the checkpoint (:meth:`fetched`) rather than the location itself."""
+
     @contextlib.contextmanager
-    def reading(self, comm: Collectives) -> Iterator[tuple[Path, str | None]]:
-        """Collective: a local directory to load the committed checkpoint the location designates from, and the
-        URL to name it by when that directory is a verified copy (``None``: the location itself is read)."""
-        yield Path(self.text), None
+    def fetched(self, comm: Collectives, rel: str, iteration: int) -> Iterator[tuple[Path, str]]:
+        """Collective (where :attr:`fetched_to_read`): the committed checkpoint ``rel`` (resolved by
+        :func:`~.protocol.reading`) as a verified local copy, and the URL that names it."""
+        raise NotImplementedError(f"{type(self).__name__} is read in place")
+        yield  # pragma: no cover - a generator, for the context manager
 
     @abstractmethod
-    def committed_copy(self) -> CommittedCopy:
-        """For the one-process tools: the committed checkpoint the location designates, as a local directory."""
+    def copy_committed(self, rel: str, iteration: int) -> CommittedCopy:
+        """For the one-process tools: the committed checkpoint ``rel`` (resolved by
+        :func:`~.protocol.committed_copy`) as a local directory."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.text!r})"

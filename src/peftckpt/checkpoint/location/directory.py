@@ -200,8 +200,7 @@ class Directory(Location):
                 child.unlink()
 
     # ---------------------------------------------------------------------------------------- loads
-    def committed_copy(self) -> CommittedCopy:
-        rel, iteration = protocol.resolve(self)
+    def copy_committed(self, rel: str, iteration: int) -> CommittedCopy:
         ckpt = self.ref(rel)
         return CommittedCopy(ckpt, str(ckpt), iteration)
 

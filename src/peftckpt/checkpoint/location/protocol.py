@@ -20,13 +20,16 @@ The rules live here; a location only supplies the steps that differ between a di
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from .base import Location, SaveTarget
+from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
+from .base import CommittedCopy, Location, SaveTarget
 from .names import (
     MANIFEST_FILENAME,
     STAGING_PREFIX,
@@ -39,8 +42,11 @@ from .names import (
     stand_in_target,
 )
 
-__all__ = ["read_tracker", "parse_tracker", "write_tracker", "list_committed", "resolve", "claim", "unclaim",
-           "in_progress", "clean", "commit", "apply_retention"]
+if TYPE_CHECKING:
+    from ..collectives import Collectives
+
+__all__ = ["read_tracker", "parse_tracker", "write_tracker", "list_committed", "resolve", "reading", "committed_copy",
+           "claim", "unclaim", "in_progress", "clean", "commit", "apply_retention"]
 
 _TRACKER_RE = re.compile(rb"[ \t\r\n]*([0-9]{1,30})[ \t\r\n]*")
 _TRACKER_MAX_BYTES = 64
@@ -192,6 +198,42 @@ def resolve(loc: Location) -> tuple[str, int]:
 _IN_PROGRESS: dict[str, set[str]] = {}
 """The saves in progress in this process, by location: ``{location text: {target name, ...}}``."""
 _IN_PROGRESS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def reading(loc: Location, comm: Collectives) -> Iterator[tuple[Path, str | None]]:
+    """Collective: a local directory a load reads the committed checkpoint ``loc`` designates from, and the URL to
+    name it by when that directory is a verified copy (``None``: the location itself is read, and the load
+    resolves it). A location read through a copy is resolved by rank 0 (its warnings said there), its error
+    raised on every rank with its type -- a caller tells "no checkpoint yet" (:class:`CheckpointNotFoundError`, a
+    first ``--load`` that starts from scratch) from a real failure the same way on every rank -- and then fetched
+    (:meth:`Location.fetched`)."""
+    if not loc.fetched_to_read:
+        yield Path(loc.text), None
+        return
+    resolved: tuple[str, int] | CheckpointError | None = None
+    if comm.rank == 0:
+        try:
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                resolved = resolve(loc)
+            for w in said:
+                warnings.warn(w.message, w.category, stacklevel=3)
+        except CheckpointError as e:
+            resolved = e
+    resolved = comm.broadcast_from_first(resolved)
+    if isinstance(resolved, CheckpointError):
+        resolved.every_rank = True
+        raise resolved
+    assert resolved is not None
+    with loc.fetched(comm, *resolved) as (local, url):
+        yield local, url
+
+
+def committed_copy(loc: Location) -> CommittedCopy:
+    """For the one-process tools: the committed checkpoint ``loc`` designates (:func:`resolve`), as a local
+    directory (on a store: fetched, every object verified as it arrives; see :meth:`Location.copy_committed`)."""
+    return loc.copy_committed(*resolve(loc))
 
 
 def claim(loc: Location, name: str) -> None:

@@ -29,7 +29,6 @@ import os
 import secrets
 import shutil
 import socket
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -243,42 +242,24 @@ class StorePrefix(Location):
         self.remove("")
 
     # ---------------------------------------------------------------------------------------- loads
+    fetched_to_read = True
+
     @contextlib.contextmanager
-    def reading(self, comm: Collectives) -> Iterator[tuple[Path, str | None]]:
-        """Steps:
-            1. Rank 0 resolves the checkpoint on the store (tracker, fallbacks); all ranks get its name and a
-               fresh token.
-            2. The lowest rank of each host downloads every recorded object, hashing it as it streams; any
-               damaged, missing or unlisted object fails the load on every rank, named by its URL.
-            3. The caller loads the local copy; library errors naming the copy name the URL instead.
-            4. Once every rank is done, the downloading ranks delete their copies.
+    def fetched(self, comm: Collectives, rel: str, iteration: int) -> Iterator[tuple[Path, str]]:
+        """Steps (the checkpoint ``rel`` resolved by rank 0, see :func:`~.protocol.reading`):
+            1. The lowest rank of each host downloads every recorded object into a fresh directory, hashing it as it
+               streams; any damaged, missing or unlisted object fails the load on every rank, named by its URL.
+            2. The caller loads the local copy; library errors naming the copy name the URL instead.
+            3. Once every rank is done, the downloading ranks delete their copies.
         """
-        resolved: tuple[str, int, str] | CheckpointError | None = None
-        if comm.rank == 0:  # 1.
-            try:
-                with warnings.catch_warnings(record=True) as said:
-                    warnings.simplefilter("always")
-                    rel, iteration = protocol.resolve(self)
-                for w in said:
-                    warnings.warn(w.message, w.category, stacklevel=3)
-                resolved = (rel, iteration, secrets.token_hex(6))
-            except CheckpointError as e:
-                resolved = e
-        # Rank 0's own error on every rank, of its type: a caller tells "no checkpoint yet" (CheckpointNotFoundError,
-        # e.g. a first --load that starts from scratch) from a real failure the same way on every rank.
-        resolved = comm.broadcast_from_first(resolved)
-        if isinstance(resolved, CheckpointError):
-            resolved.every_rank = True
-            raise resolved
-        assert resolved is not None
-        rel, iteration, token = resolved
+        token = comm.broadcast_from_first(secrets.token_hex(6))
         url = self.store.url_of(rel)
         hosts = comm.gather(socket.gethostname())
         downloads = hosts.index(hosts[comm.rank]) == comm.rank
         local = cache_root() / "fetch" / token / iteration_dirname(iteration)
         problems: list[str] = []
         error = None
-        if downloads:  # 2.
+        if downloads:  # 1.
             try:
                 problems = self._download(rel, local)[1]
             except (CheckpointError, OSError) as e:
@@ -291,18 +272,17 @@ class StorePrefix(Location):
                 raised.every_rank = True
                 raise raised
             try:
-                yield local, url  # 3.
+                yield local, url  # 2.
             except BaseException as e:
                 raise renamed_error(e, local, url) from None
         finally:
-            comm.barrier()  # 4.
+            comm.barrier()  # 3.
             if downloads:
                 shutil.rmtree(local.parent, ignore_errors=True)
 
-    def committed_copy(self) -> CommittedCopy:
-        """Resolve the location and download its committed checkpoint into a fresh local copy, every object
-        verified as it streams; the copy is deleted by :meth:`CommittedCopy.release`, or when the process exits."""
-        rel, iteration = protocol.resolve(self)
+    def copy_committed(self, rel: str, iteration: int) -> CommittedCopy:
+        """Download the committed checkpoint ``rel`` into a fresh local copy, every object verified as it streams;
+        the copy is deleted by :meth:`CommittedCopy.release`, or when the process exits."""
         local = cache_root() / "fetch" / secrets.token_hex(6) / iteration_dirname(iteration)
         atexit.register(shutil.rmtree, local.parent, True)
         manifest, problems = self._download(rel, local)

@@ -309,7 +309,7 @@ def _inspect_one(loc: Location, verify_checksums: bool) -> CheckpointReport:
     if local is not None:
         return inspect_checkpoint(local, verify_checksums=verify_checksums)
     try:
-        copy = loc.committed_copy()
+        copy = protocol.committed_copy(loc)
     except CheckpointNotFoundError as exc:
         return CheckpointReport(loc.text, UNCOMMITTED, [str(exc)])
     except CheckpointError as exc:  # a garbled manifest

@@ -26,6 +26,7 @@ from ..errors import (
     as_read_error,
     unwrap_dcp_error,
 )
+from ..location import protocol
 from ..location.locate import locate
 from ..location.store import renamed_error
 from ..state.fingerprint import FINGERPRINT_VERSION, base_fingerprint
@@ -125,7 +126,7 @@ def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
     """Resolve ``path`` (a save directory via its tracker, or a checkpoint directory), read the manifest and
     verify every file's checksum. ``what`` names the argument in error messages. A URL's checkpoint is fetched
     into a local copy first (every object verified as it downloads; deleted at exit)."""
-    copy = locate(path, what).committed_copy()
+    copy = protocol.committed_copy(locate(path, what))
     if copy.problems:
         raise CheckpointIntegrityError(f"{what} {copy.url} is damaged:\n  " + "\n  ".join(copy.problems))
     if copy.verified:  # a copy fetched from a store, every object hashed as it arrived: not hashed again

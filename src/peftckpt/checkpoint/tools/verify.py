@@ -75,7 +75,7 @@ def verify_checkpoint(path: str | os.PathLike[str] | Location) -> VerifyReport:
             manifest is unreadable (then nothing else can be checked). Damage to the checkpoint's other
             files is reported in :attr:`VerifyReport.problems`, not raised.
     """
-    copy = locate(path, "DIR").committed_copy()  # 1 (on a store: fetched, every object hashed as it arrives)
+    copy = protocol.committed_copy(locate(path, "DIR"))  # 1 (on a store: fetched, every object hashed as it arrives)
     try:
         return _verify_copy(copy)
     finally:
