@@ -49,6 +49,9 @@ LIBRARY_TO_TRAINER = [
      "  target_modules (--lora-target-modules): a\n  layers (--lora-layers): b\n  train_params (--lora-train-params): c"
      "\nfix those flags to match the checkpoint, or leave the LoRA flags out to take the checkpoint's"),
     ("fix the model configuration to match the checkpoint", "fix the model flags to match the checkpoint"),
+    ("held in nf4 (block_size 64); this model's base is held in full precision (not quantized): hold the base the "
+     "way the checkpoint's was (model_config['base_quantization'])", "held in nf4 (block_size 64); this model's base "
+     "is held in full precision (not quantized): pass the --base-quantization it was trained with"),
     ("the model (its configuration and adapters) must match the checkpoint's",
      "the model flags (architecture, --lora-rank, --lora-target-modules) must match the checkpoint's"),
     ("Wait for it to end, or save to another directory", "Wait for it to end, or pass another --save directory"),

@@ -166,6 +166,11 @@ class Checkpointer:
         self.wait()  # the in-flight async save may be writing the base from live memory
         return self._loads.load_pretrained(path, options)
 
+    def base_changed(self) -> None:
+        """Say that the frozen parameters changed since they were loaded (quantized, say): the base fingerprint
+        the load took is dropped, and taken again from the parameters when a save or a load needs it."""
+        self.parts.fingerprints.clear()
+
     @gc_paused
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
                           read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor],

@@ -25,6 +25,7 @@ from .checks.load_checks import (
     architecture_mismatch,
     base_mismatch,
     damaged,
+    quantization_mismatch,
     shape_mismatch,
 )
 from .checks.strictness import KeyReport, check_keys
@@ -187,6 +188,7 @@ class Loads:
 
     def _check_fits(self, ckpt: Path, manifest: Manifest, options: LoadOptions, model_only: bool) -> None:
         """Load step 2 (collective): refuse a checkpoint made for another architecture, adapter or base."""
+        self.comm.agree(quantization_mismatch(self.parts.model_config, manifest, ckpt))
         self.comm.agree(architecture_mismatch(self.parts.model_config, manifest, ckpt))
         self.comm.agree(adapter_mismatch(self.parts.adapter_config, manifest, ckpt))
         if manifest.trainable_only and options.verify_base and not model_only:

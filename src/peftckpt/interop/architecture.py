@@ -31,6 +31,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..checkpoint.checks.integrity import DCP_METADATA_FILENAME, storage_problems
+from ..checkpoint.checks.load_checks import QUANTIZATION_KEY
 from ..checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointMismatchError
 from ..checkpoint.location import protocol
 from ..checkpoint.location.base import Location
@@ -91,15 +92,30 @@ def _typed(config: Mapping[str, Any], where: str) -> str | None:
 _KINDS = {"int": "an integer", "float": "a finite number", "bool": "a boolean", "str": "a string"}
 
 
-def _expected(cfg: GPTConfig, lora: LoRAConfig | None) -> Shapes:
-    """Names and global shapes of the model ``cfg`` (with ``lora``'s adapters) describes: built on the meta device."""
+def _expected(cfg: GPTConfig, lora: LoRAConfig | None, quantized: bool = False) -> Shapes:
+    """Names and global shapes of the model ``cfg`` (with ``lora``'s adapters; ``quantized``: its linear weights
+    held in NF4) describes: built on the meta device."""
+    from ..model import nf4
     from ..model.gpt import GPTModel
+    from ..model.linear import ParallelLinear
     from ..model.lora import apply_lora
 
     model = GPTModel(cfg, device="meta")
     if lora is not None:
         apply_lora([model], lora, seed=0)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+    if quantized:
+        for name, module in model.named_modules():
+            if isinstance(module, ParallelLinear):
+                held = nf4.stored_shapes(shapes.pop(f"{name}.weight"))
+                shapes.update({f"{name}.{suffix}": shape for suffix, shape in held.items()})
+    return shapes
+
+
+def _nf4(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` says the base's linear weights are held in NF4."""
+    held = config.get(QUANTIZATION_KEY)
+    return isinstance(held, Mapping) and held.get("method") == "nf4"
 
 
 def _field_of(name: str, dim: int) -> str | None:
@@ -175,7 +191,7 @@ def architecture_problem(manifest: Manifest, stored: Shapes, where: str, held: s
         except (TypeError, ValueError):
             return None  # the LoRA flags' own checks say which value
     try:
-        expected = _expected(cfg, lora)
+        expected = _expected(cfg, lora, _nf4(config))
     except (TypeError, ValueError):
         return None
     for name in _first(set(stored)):

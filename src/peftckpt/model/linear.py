@@ -17,7 +17,9 @@ structurally (see :func:`peftckpt.model.lora.apply_lora`); nothing here looks at
 Weights are created from a shape and an init function (:mod:`peftckpt.model.deferred`), so a layer can be
 built on the meta device. The base weight may be stored in a lower precision than the adapters (a bf16
 frozen base, fp32 adapters): the base GEMM runs in the weight's dtype, each adapter in its own, and the
-adapter output is cast back to the base output's dtype.
+adapter output is cast back to the base output's dtype. A frozen base weight can also be held in NF4
+(:meth:`ParallelLinear.quantize_nf4`, QLoRA): ``weight`` is then replaced by its codes, block scales and
+group factors (:mod:`peftckpt.model.nf4`), dequantized for each product.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor_parallel import TensorParallel, copy_to_tp, local_tensor, reduce_from_tp
 from ..sharding.layout import FusedChunks, declare_fused
+from . import nf4
 from .deferred import ShardedInit, sharded_param
 
 __all__ = ["ParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "sharded_dropout"]
@@ -95,6 +99,9 @@ class ParallelLinear(nn.Module):
     """Shared LoRA bookkeeping of the two TP linear flavours (no bias: Llama-style)."""
 
     weight: nn.Parameter
+    weight_nf4: nn.Parameter
+    weight_scales: nn.Parameter
+    weight_factors: nn.Parameter
     lora_A: nn.Parameter | None
     lora_B: nn.Parameter | None
 
@@ -105,6 +112,10 @@ class ParallelLinear(nn.Module):
         self.tp = tp
         self.out_features, self.in_features = weight_shape
         self.num_chunks = num_chunks
+        self.shard_dim = shard_dim
+        self.nf4: tuple[tuple[int, int], torch.dtype] | None = None
+        """Where the base weight is held in NF4 (:meth:`quantize_nf4`): the layout of this rank's shard (first
+        block of its rows, blocks per group) and the dtype it is dequantized to."""
         # Output parts of a fused layer, (name, global rows), in fused order; the local output is
         # `local_groups` repetitions of [part_0 block, part_1 block, ...] (see `_assemble`).
         self.parts = dict(parts)
@@ -151,7 +162,7 @@ class ParallelLinear(nn.Module):
         def zeros(rows: int) -> Callable[[], torch.Tensor]:
             return lambda: torch.zeros(rows, rank)
 
-        device = local_tensor(self.weight).device  # adapters are fp32 whatever the base's dtype
+        device = self._base_device()  # adapters are fp32 whatever the base's dtype
         shape_a = (rank, self.in_features)
         if part is None:
             self.lora_A = sharded_param(self, "lora_A", shape_a, ShardedInit(init_a, self.tp, self._a_shard_dim),
@@ -198,16 +209,20 @@ class ParallelLinear(nn.Module):
         if pairs and pairs[0][0] is None:
             _, a, b = pairs[0]
             return local_tensor(b) @ local_tensor(a)
-        w = local_tensor(self.weight)
         # [in, rows_p] per part, assembled on the last dim, transposed back to [out_local, in].
         deltas = {p or "": (local_tensor(b) @ local_tensor(a)).t() for p, a, b in pairs}
-        return self._assemble(deltas, w.t()).t()
+        like = next(iter(deltas.values()))
+        rows = self.tp.local_shape((self.out_features, self.in_features), self.shard_dim, self.num_chunks)[0]
+        return self._assemble(deltas, like.new_empty(like.shape[0], rows)).t()
 
     @torch.no_grad()
     def merge_lora(self) -> None:
         """Fold ``scaling * B @ A`` into the weight (local shards only: no communication needed)."""
         if not self.adapter_pairs() or self.merged:
             return
+        if self.nf4 is not None:
+            raise RuntimeError("an adapter cannot be merged into an NF4 base (the merged weight would be "
+                               "quantized again: not the model that was trained); merge into the full-precision base")
         local_tensor(self.weight).add_(self._delta_weight(), alpha=self.lora_scaling)
         self.merged = True
 
@@ -227,7 +242,64 @@ class ParallelLinear(nn.Module):
         r = "" if not pairs else f", lora_rank={pairs[0][1].shape[0]}"
         if pairs and pairs[0][0] is not None:
             r += f", lora_parts={self.part_adapters}"
-        return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}{r}"
+        q = "" if self.nf4 is None else ", base=nf4"
+        return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}{q}{r}"
+
+    # ---------------------------------------------------------------------------------------- the base
+    def _base_device(self) -> torch.device:
+        return local_tensor(self.weight if self.nf4 is None else self.weight_nf4).device
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` of this rank's shard of the frozen base weight (full precision, or NF4)."""
+        if self.nf4 is None:
+            return base_linear(x, local_tensor(self.weight))
+        layout, dtype = self.nf4
+        q = nf4.NF4Weight(local_tensor(self.weight_nf4), local_tensor(self.weight_scales),
+                          local_tensor(self.weight_factors), *layout)
+        return nf4.nf4_linear(x, q, dtype)
+
+    @torch.no_grad()
+    def quantize_nf4(self) -> None:
+        """Hold the frozen base weight in NF4 from now on (collective over TP for a row-parallel layer: the
+        double-quantization factors of a row split over ranks are its maxima over them). ``weight`` is replaced by
+        frozen ``weight_nf4`` (uint8 ``[out, in / 2]``), ``weight_scales`` (uint8 ``[out, in / 64]``) and
+        ``weight_factors`` (fp32 ``[out, groups per row]``), sharded like it; products dequantize it into its
+        dtype. Raises ``ValueError`` when the weight trains or its TP shards cut NF4's blocks or groups."""
+        if self.nf4 is not None:
+            return
+        if self.weight.requires_grad or self.merged:
+            raise ValueError("only a frozen, unmerged base weight can be held in NF4")
+        w = local_tensor(self.weight)
+        columns = self.in_features
+        split = self.shard_dim == 1 and self.tp.size > 1
+        start = self.tp.rank * (columns // self.tp.size) if split else 0
+        groups, per = nf4.groups_of(columns)
+        group_max = None
+        if split:
+            first = start // nf4.BLOCK // per
+
+            def group_max(local: torch.Tensor) -> torch.Tensor:
+                whole = local.new_zeros(local.shape[0], groups)
+                whole[:, first:first + local.shape[1]] = local
+                dist.all_reduce(whole, op=dist.ReduceOp.MAX, group=self.tp.group)
+                return whole[:, first:first + local.shape[1]]
+
+        q = nf4.quantize(w, columns, start, group_max)
+        factors_dim: int | None = 0 if self.shard_dim == 0 else None
+        if split and groups > 1:
+            if q.factors.shape[1] * self.tp.size != groups:
+                raise ValueError(f"{groups} double-quantization groups per row of {columns} columns cannot be "
+                                 f"split over {self.tp.size} tensor-parallel ranks")
+            factors_dim = 1
+        shapes = nf4.stored_shapes((self.out_features, columns))
+        dtype = w.dtype
+        del self.weight
+        for name, local, dim in (("weight_nf4", q.codes, self.shard_dim), ("weight_scales", q.scales, self.shard_dim),
+                                 ("weight_factors", q.factors, factors_dim)):
+            setattr(self, name, self.tp.wrap_local(local, shapes[name], dim))
+            if self.num_chunks > 1 and self.shard_dim == 0 and self.tp.size > 1:
+                declare_fused(self, name, FusedChunks(dim=0, num_chunks=self.num_chunks))
+        self.nf4 = ((q.first_block, q.per_group), dtype)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -244,8 +316,7 @@ class ColumnParallelLinear(ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp)
-        w = local_tensor(self.weight)
-        y = base_linear(x, w)
+        y = self._base(x)
         if self._adapter_active():
             deltas: dict[str, torch.Tensor] = {}
             for part, a, b in self.adapter_pairs():
@@ -269,8 +340,7 @@ class RowParallelLinear(ParallelLinear):
         super().__init__(weight_shape, weight_init, tp, shard_dim=1, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = local_tensor(self.weight)
-        y = reduce_from_tp(base_linear(x, w), self.tp)
+        y = reduce_from_tp(self._base(x), self.tp)
         if self._adapter_active():
             assert self.lora_A is not None and self.lora_B is not None
             a = local_tensor(self.lora_A)

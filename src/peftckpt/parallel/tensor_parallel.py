@@ -86,6 +86,12 @@ class TensorParallel:
             raise ValueError(f"full tensor has shape {list(full.shape)}, the parameter {list(param.shape)}")
         local.copy_(self.shard_of(full, dim, num_chunks))
 
+    def wrap_local(self, local: torch.Tensor, shape: Sequence[int], dim: int | None,
+                   requires_grad: bool = False) -> nn.Parameter:
+        """A parameter from this rank's shard ``local`` (computed here, not sliced from a full tensor) of a global
+        tensor of ``shape``, sharded along ``dim`` (``None``: every TP rank holds the same, whole tensor)."""
+        return self._wrap(local.contiguous(), torch.Size(shape), dim, requires_grad)
+
     def _wrap(self, local: torch.Tensor, shape: torch.Size, dim: int | None, requires_grad: bool) -> nn.Parameter:
         if self.mesh is None:
             return nn.Parameter(local, requires_grad=requires_grad)

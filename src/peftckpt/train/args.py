@@ -107,6 +107,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
                    help="store and compute the frozen base in bf16; trainable parameters (adapters, "
                    "--lora-train-params) and their Adam state stay fp32 (needs --lora-rank > 0)")
     g.add_argument("--fp16", action="store_true", help="not supported (refused): use --bf16")
+    g.add_argument("--base-quantization", choices=("none", "nf4"), default="none",
+                   help="nf4: hold the frozen base's linear weights in 4-bit NormalFloat (QLoRA: blocks of 64, "
+                   "double-quantized scales), quantized once the base is loaded, identically at every layout; "
+                   "embeddings, norms and the output layer stay in their dtype (needs --lora-rank > 0)")
 
 
 def _add_data(p: argparse.ArgumentParser) -> None:
@@ -240,6 +244,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--bf16 stores the frozen base in bf16 and keeps trainable parameters in fp32; with "
                             "--lora-rank 0 every parameter trains, so nothing would be bf16: drop --bf16 or "
                             "fine-tune with --lora-rank > 0")
+    _check_base_quantization(args, cfg, tp)
     if bool(args.mock_data) == bool(args.data_path):
         raise ArgumentError("pass exactly one of --mock-data and --data-path")
     if args.train_iters < 0:
@@ -336,6 +341,31 @@ def apply_checkpoint_defaults(args: argparse.Namespace, given: set[str]) -> list
         notes.append(f"LoRA flags from --load {args.load}: rank {args.lora_rank}, targets "
                      f"{' '.join(args.lora_target_modules)}")
     return notes
+
+
+def _check_base_quantization(args: argparse.Namespace, cfg: GPTConfig, tp: int) -> None:
+    """``--base-quantization nf4`` needs a frozen base, and every linear layer's columns on each tensor-parallel
+    rank in whole NF4 blocks (and double-quantization groups)."""
+    if args.base_quantization == "none":
+        return
+    if args.lora_rank <= 0:
+        raise ArgumentError("--base-quantization nf4 holds the frozen base in 4 bits; with --lora-rank 0 nothing is "
+                            "frozen: fine-tune with --lora-rank > 0")
+    if args.use_distributed_optimizer:
+        raise ArgumentError("--base-quantization nf4 does not work with --use-distributed-optimizer yet")
+    from ..model import nf4
+
+    heads = cfg.num_attention_heads * cfg.head_dim
+    for layer, columns, split, flags in (
+            ("linear_qkv/linear_fc1", cfg.hidden_size, 1, "--hidden-size"),
+            ("linear_proj", heads, tp, "--hidden-size / --num-attention-heads x heads"),
+            ("linear_fc2", cfg.ffn, tp, "--ffn-hidden-size")):
+        width = columns // split
+        problems = [p for r in range(split) if (p := nf4.shard_problem(columns, r * width, width)) is not None]
+        if problems:
+            per_rank = f" per --tensor-model-parallel-size {tp} rank" if split > 1 else ""
+            raise ArgumentError(f"--base-quantization nf4: the {layer} input ({flags}: {columns} columns, {width}"
+                                f"{per_rank}) does not fit NF4: {problems[0]}")
 
 
 def _flag(dest: str) -> str:

@@ -61,6 +61,8 @@ class TrainingRun(Protocol):
     @property
     def sampler(self) -> GlobalBatchSampler: ...
     def reseed(self, iteration: int) -> None: ...
+    def checkpoint_config(self) -> dict[str, Any]: ...
+    def quantize_base(self) -> bool: ...
 
 
 def load_base(ckpt: Checkpointer, path: str, options: LoadOptions) -> str:
@@ -90,7 +92,7 @@ class TrainerCheckpointing:
         m = trainer.meshes
         self.ckpt = Checkpointer(
             trainer.chunks, trainer.optimizer, layout=trainer.dims.to_dict(),
-            coords={"tp": m.tp_rank, "pp": m.pp_rank, "dp": m.dp_rank}, model_config=trainer.config.to_dict(),
+            coords={"tp": m.tp_rank, "pp": m.pp_rank, "dp": m.dp_rank}, model_config=trainer.checkpoint_config(),
             adapter_config=None if trainer.lora is None else trainer.lora.to_dict(),
         )
         self.last_saved: int | None = None
@@ -139,6 +141,7 @@ class TrainerCheckpointing:
             if self.ckpt.base_fingerprint_wait_s is not None:
                 t.logger.info(f"base fingerprint taken while reading the base; it added "
                               f"{self.ckpt.base_fingerprint_wait_s:.2f} s after the last read")
+        self.quantize_base()
         if not a.load:
             return
         self._refuse_a_base_as_load()
@@ -169,6 +172,14 @@ class TrainerCheckpointing:
         if not res.rng_restored:
             t.reseed(t.iteration)
         t.logger.info(f"resumed from {res.path} at iteration {t.iteration}")
+
+    def quantize_base(self) -> None:
+        """``--base-quantization nf4``: the base, now in place (loaded or initialised), held in NF4 from here on;
+        checkpoints fingerprint the quantized base they train on."""
+        start = time.perf_counter()
+        if self.trainer.quantize_base():
+            self.ckpt.base_changed()
+            self.trainer.logger.info(f"base linear weights quantized to NF4 in {time.perf_counter() - start:.2f} s")
 
     def objects(self) -> dict[str, Any]:
         t = self.trainer

@@ -37,12 +37,14 @@ def evaluate(args: argparse.Namespace, world_size: int, rank: int) -> dict[str, 
 
     args.eval_fraction = 0.0
     trainer = Trainer(args, world_size, rank)
-    ckpt = TrainerCheckpointing(trainer).ckpt
+    checkpointing = TrainerCheckpointing(trainer)
+    ckpt = checkpointing.ckpt
     loaded: dict[str, str] = {}
     verify = not args.no_verify_checksums
     if args.pretrained_checkpoint:
         loaded["pretrained_checkpoint"] = load_base(ckpt, args.pretrained_checkpoint,
                                                     LoadOptions(verify_checksums=verify))
+    checkpointing.quantize_base()
     if args.load:
         res = ckpt.load(args.load, LoadOptions(load_optim=False, load_rng=False, verify_checksums=verify,
                                                verify_base=not args.no_verify_base,

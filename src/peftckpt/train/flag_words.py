@@ -40,6 +40,8 @@ FLAG_WORDS: list[tuple[str, str]] = [
     (r"adapter_config\['train_params'\]", "train_params (--lora-train-params)"),
     (r"make the adapter_config match the checkpoint's",
      "fix those flags to match the checkpoint, or leave the LoRA flags out to take the checkpoint's"),
+    (r"hold the base the way the checkpoint's was \(model_config\['base_quantization'\]\)",
+     "pass the --base-quantization it was trained with"),
     (r"fix the model configuration to match", "fix the model flags to match"),
     (r"the model \(its configuration and adapters\) must match",
      "the model flags (architecture, --lora-rank, --lora-target-modules) must match"),

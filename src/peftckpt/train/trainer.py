@@ -13,14 +13,17 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..model import nf4
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel, TransformerLayer, gpt_loss
+from ..model.linear import ParallelLinear
 from ..model.lora import apply_lora, cast_frozen
 from ..parallel.data_parallel import allreduce_gradients, clip_grad_norm, shard_for_distributed_optimizer
 from ..parallel.device import resolve_device
@@ -92,6 +95,8 @@ class Trainer:
             self._check_train_params()
         self.base_dtype = torch.bfloat16 if args.bf16 else torch.float32
         """dtype of the frozen parameters (trainable ones are fp32)."""
+        self.base_quantization = getattr(args, "base_quantization", "none")
+        """``nf4``: the frozen linear weights are held in NF4 once the base is in place (:meth:`quantize_base`)."""
         self.initialised = self._materialize()
         """Names of the parameters given their deterministic initial values (per chunk, concatenated)."""
         self.named_trainable = [(n, p) for c in self.chunks for n, p in c.named_parameters() if p.requires_grad]
@@ -132,6 +137,25 @@ class Trainer:
         """Called right before each optimizer step (the checkpointing sets it to its async snapshot's fence)."""
 
     # ----------------------------------------------------------------------------------------- setup
+    def checkpoint_config(self) -> dict[str, Any]:
+        """The model configuration checkpoints record: the architecture, and how the base is held when it is
+        quantized (``base_quantization``, checked by every load of an adapter trained on it)."""
+        config = self.config.to_dict()
+        if self.base_quantization == "nf4":
+            config["base_quantization"] = nf4.record()
+        return config
+
+    def quantize_base(self) -> bool:
+        """``--base-quantization nf4``: hold every frozen linear weight of this rank's chunks in NF4 from now on
+        (collective over TP; call once the base is in place). Returns whether it did."""
+        if self.base_quantization != "nf4":
+            return False
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                if isinstance(module, ParallelLinear):
+                    module.quantize_nf4()
+        return True
+
     def summary(self) -> str:
         """The run at a glance (printed at start): world and layout, model, and parameters -- total,
         trainable, frozen -- of the whole model, counted on a meta-device copy (nothing allocated), so every
@@ -149,6 +173,8 @@ class Trainer:
                 f"LoRA rank {self.lora.rank} alpha {self.lora.alpha:g} on {' '.join(self.lora.target_modules)}")
         kv = f" ({c.groups} KV groups)" if c.groups != c.num_attention_heads else ""
         frozen_dtype = "bf16" if self.base_dtype == torch.bfloat16 else "fp32"
+        if self.base_quantization == "nf4":
+            frozen_dtype = f"linear weights NF4, the rest {frozen_dtype}"
         return (f"world {d.world_size}: {layout} on {self.device.type}; model: {c.num_layers} layers, hidden "
                 f"{c.hidden_size}, {c.num_attention_heads} heads{kv}, vocab {c.vocab_size}, seq "
                 f"{self.args.seq_length}; {lora}\n"

@@ -13,8 +13,8 @@ from ..errors import CheckpointFormatError, CheckpointIntegrityError, Checkpoint
 from ..storage.manifest import Manifest
 from .strictness import StrictHandling
 
-__all__ = ["adapter_mismatch", "architecture_mismatch", "base_mismatch", "damaged", "is_damage", "EarlierCheckpoints",
-           "damage_hint", "optimizer_state_missing", "shape_mismatch"]
+__all__ = ["QUANTIZATION_KEY", "adapter_mismatch", "architecture_mismatch", "quantization_mismatch", "base_mismatch",
+           "damaged", "is_damage", "EarlierCheckpoints", "damage_hint", "optimizer_state_missing", "shape_mismatch"]
 
 
 def damaged(ckpt: Path, problems: list[str], after_read: bool = False) -> CheckpointIntegrityError | None:
@@ -79,15 +79,42 @@ def damage_hint(earlier: EarlierCheckpoints | None, checksums_help: bool) -> str
     return "".join(f"\n{line}" for line in lines)
 
 
+QUANTIZATION_KEY = "base_quantization"
+"""The ``model_config`` key that says how the frozen base is held (absent: in full precision), e.g. ``{"method":
+"nf4", "block_size": 64, ...}``: an adapter trained on a base quantized one way is refused on a base held another."""
+
+
 def architecture_mismatch(model_config: Mapping[str, Any], manifest: Manifest, ckpt: Path
                           ) -> CheckpointMismatchError | None:
-    """The architecture keys both know whose values differ."""
+    """The architecture keys both know whose values differ (how the base is held: :func:`quantization_mismatch`)."""
     diffs = [f"  {k}: checkpoint {manifest.model_config.get(k)!r}, model {v!r}"
-             for k, v in model_config.items() if k in manifest.model_config and manifest.model_config[k] != v]
+             for k, v in model_config.items() if k in manifest.model_config and manifest.model_config[k] != v
+             and k != QUANTIZATION_KEY]
     if not diffs:
         return None
     return CheckpointMismatchError(f"checkpoint {ckpt} was saved for a different architecture:\n"
                                    + "\n".join(diffs) + "\nfix the model configuration to match the checkpoint")
+
+
+def _held(record: Any) -> str:
+    if not record:
+        return "in full precision (not quantized)"
+    if isinstance(record, Mapping):
+        details = ", ".join(f"{k} {v}" for k, v in sorted(record.items()) if k != "method")
+        return f"in {record.get('method', '?')}" + (f" ({details})" if details else "")
+    return f"as {record!r}"
+
+
+def quantization_mismatch(model_config: Mapping[str, Any], manifest: Manifest, ckpt: Path
+                          ) -> CheckpointMismatchError | None:
+    """A checkpoint trained on a base held otherwise than this model's (quantized another way, or not at all):
+    its adapters learned to correct that base, so they are refused on another (as one error)."""
+    saved, mine = manifest.model_config.get(QUANTIZATION_KEY), model_config.get(QUANTIZATION_KEY)
+    if (saved or None) == (mine or None):
+        return None
+    return CheckpointMismatchError(
+        f"checkpoint {ckpt} was trained on a base held {_held(saved)}; this model's base is held {_held(mine)}: "
+        f"hold the base the way the checkpoint's was (model_config['{QUANTIZATION_KEY}'])")
 
 
 _ADAPTER_KEYS = ("rank", "alpha", "target_modules", "layers", "train_params")
