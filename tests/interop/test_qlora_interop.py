@@ -1,0 +1,122 @@
+"""QLoRA against real ``transformers`` + ``peft``: an adapter trained at TP=2 on an NF4-held HF base (read per rank
+from the HF directory), exported with ``export-peft``, gives on an HF Llama holding the dequantized base the same
+logits as our model, and ``eval`` with ``--base-quantization nf4`` the same loss."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from peftckpt.checkpoint.api import Checkpointer, LoadOptions
+from peftckpt.checkpoint.storage.manifest import read_manifest
+from peftckpt.interop.hf_llama import config_from_hf, hf_export_plan
+from peftckpt.model import nf4
+from peftckpt.model.config import LoRAConfig
+from peftckpt.model.gpt import GPTModel
+from peftckpt.model.linear import ParallelLinear
+from peftckpt.model.lora import apply_lora
+from peftckpt.train.checkpointing import load_base
+from tests.integration.cli import peftckpt
+from tests.interop.common import COORDS, SEQ, SINGLE, VOCAB, hf_loss, samples, tokens, write_data
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny HF Llama whose widths NF4 splits over 2 TP ranks, a QLoRA run on it at TP=2, its PEFT export."""
+    root = tmp_path_factory.mktemp("qlora-interop")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(root / "hf")
+    data = write_data(root / "data.jsonl", num_samples=16)
+    peftckpt(["train", "--pretrained-checkpoint", str(root / "hf"), "--base-quantization", "nf4", "--data-path",
+              str(data), "--seq-length", str(SEQ), "--tensor-model-parallel-size", "2", "--lora-rank", "4",
+              "--lora-alpha", "8", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
+              "--lr", "2e-2", "--save", str(root / "lora"), "--save-interval", "4", "--save-trainable-params-only",
+              "--log-interval", "100"], nproc=2)
+    peftckpt(["export-peft", str(root / "lora"), str(root / "peft")])
+    return {"hf": root / "hf", "lora": root / "lora", "peft": root / "peft", "data": data}
+
+
+def _ours(runs: dict[str, Path], adapter: bool = True) -> GPTModel:
+    """Our GPT in one process: the HF base read from its directory, quantized, the adapter loaded."""
+    manifest = read_manifest(runs["lora"] / "iter_0000004")
+    cfg = config_from_hf(json.loads((runs["hf"] / "config.json").read_text()))
+    model = GPTModel(cfg)
+    assert manifest.adapter_config is not None
+    lora = LoRAConfig.from_dict(manifest.adapter_config)
+    model.requires_grad_(False)
+    apply_lora([model], lora, seed=0)
+    ckpt = Checkpointer([model], None, layout=SINGLE, coords=COORDS,
+                        model_config={**cfg.to_dict(), "base_quantization": nf4.record()},
+                        adapter_config=lora.to_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_base(ckpt, str(runs["hf"]), LoadOptions())
+        for module in model.modules():
+            if isinstance(module, ParallelLinear):
+                module.quantize_nf4()
+        ckpt.base_changed()
+        if adapter:
+            ckpt.load(runs["lora"], LoadOptions(load_optim=False, load_rng=False))
+    return model.eval()
+
+
+def _dequantized_hf(runs: dict[str, Path], ours: GPTModel) -> LlamaForCausalLM:
+    """The HF Llama of the directory with its projections replaced by our NF4 base's dequantized values."""
+    hf = LlamaForCausalLM.from_pretrained(runs["hf"]).eval()
+    params = dict(hf.named_parameters())
+    linears = {name: m for name, m in ours.named_modules() if isinstance(m, ParallelLinear)}
+    changed = 0
+    with torch.no_grad():
+        for our_name, split in hf_export_plan(ours.config):
+            module = linears.get(our_name.removesuffix(".weight"))
+            if module is None:
+                continue  # embeddings and norms: not quantized
+            assert module.nf4 is not None
+            layout, _ = module.nf4
+            q = nf4.NF4Weight(module.weight_nf4, module.weight_scales, module.weight_factors, *layout)
+            for hf_name, values in split(nf4.dequantize(q, torch.float32)):
+                assert not torch.equal(params[hf_name], values)  # the quantization changed it
+                params[hf_name].copy_(values)
+                changed += 1
+    assert changed == 7 * ours.config.num_layers
+    return hf
+
+
+def test_the_peft_export_on_the_dequantized_base_gives_our_logits(runs: dict[str, Path]) -> None:
+    ours = _ours(runs)
+    toks = tokens(seed=5)
+    with torch.no_grad():
+        mine = ours(toks)
+        plain = _ours(runs, adapter=False)(toks)
+        theirs = PeftModel.from_pretrained(_dequantized_hf(runs, ours), runs["peft"]).eval()(toks).logits
+    assert (mine - plain).abs().max() > 1e-3  # the trained adapter changes the function
+    assert ((theirs - mine).norm() / mine.norm()).item() <= 1e-5
+
+
+def test_eval_with_an_nf4_base_equals_peft_on_the_dequantized_base(runs: dict[str, Path]) -> None:
+    proc = peftckpt(["eval", "--pretrained-checkpoint", str(runs["hf"]), "--base-quantization", "nf4", "--load",
+                     str(runs["lora"]), "--data-path", str(runs["data"]), "--seq-length", str(SEQ),
+                     "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
+                     "--json"], nproc=2)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    hf = PeftModel.from_pretrained(_dequantized_hf(runs, _ours(runs)), runs["peft"]).eval()
+    assert report["loss"] == pytest.approx(hf_loss(hf, samples(runs["data"])), rel=1e-5)
+    refused = peftckpt(["eval", "--pretrained-checkpoint", str(runs["hf"]), "--load", str(runs["lora"]),
+                        "--data-path", str(runs["data"]), "--seq-length", str(SEQ), "--micro-batch-size", "2",
+                        "--global-batch-size", "4"], check=False)
+    assert refused.returncode == 1 and "pass the --base-quantization it was trained with" in refused.stderr
