@@ -120,3 +120,24 @@ def test_eval_with_an_nf4_base_equals_peft_on_the_dequantized_base(runs: dict[st
                         "--data-path", str(runs["data"]), "--seq-length", str(SEQ), "--micro-batch-size", "2",
                         "--global-batch-size", "4"], check=False)
     assert refused.returncode == 1 and "pass the --base-quantization it was trained with" in refused.stderr
+
+
+def test_export_hf_checks_the_quantized_base_and_merges_into_the_full_precision_one(runs: dict[str, Path],
+                                                                                    tmp_path: Path) -> None:
+    done = peftckpt(["export-hf", str(runs["lora"]), str(tmp_path / "merged"), "--base", str(runs["hf"])])
+    note = done.stdout.strip().splitlines()[-1]
+    assert note.startswith("the adapter was trained on the base held in NF4 and is merged into its full-precision "
+                           "weights, which differ from the NF4 values by ")
+    assert 3.0 < float(note.split(" by ")[1].split(" %")[0]) < 15.0  # NF4's error on normal weights (~9 %)
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    reference = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(runs["hf"]), runs["peft"]).eval()
+    toks = tokens(seed=6)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(toks).logits, reference.merge_and_unload()(toks).logits, rtol=0, atol=2e-5)
+    # the fingerprint is of the quantized base: another base, quantized here, is not it
+    other = LlamaForCausalLM(LlamaConfig(**{**merged.config.to_dict(), "torch_dtype": None}))
+    other.save_pretrained(tmp_path / "other")
+    refused = peftckpt(["export-hf", str(runs["lora"]), str(tmp_path / "x"), "--base", str(tmp_path / "other")],
+                       check=False)
+    assert refused.returncode == 1 and "was trained on a different base" in refused.stderr, refused.stderr
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())

@@ -113,9 +113,14 @@ def export_hf_main(argv: Sequence[str]) -> int:
                    "Llama directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--no-verify-base", action="store_true", help="merge even if the base fingerprint differs")
-    return _run("export-hf", p, argv, lambda a, ops: (
-        "exported " + str(ops.export_hf(a.ckpt, a.out, a.base, not a.no_verify_base, not a.no_verify_checksums,
-                                        _dtype(a.dtype)))))
+
+    def export(a: Any, ops: Any) -> str:
+        notes: list[str] = []
+        out = ops.export_hf(a.ckpt, a.out, a.base, not a.no_verify_base, not a.no_verify_checksums, _dtype(a.dtype),
+                            report=notes)
+        return "\n".join([f"exported {out}", *notes])
+
+    return _run("export-hf", p, argv, export)
 
 
 def _dtype(name: str) -> Any:
