@@ -174,7 +174,8 @@ class Checkpointer:
     @gc_paused
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
                           read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor],
-                          read_into: Callable[[str, Sequence[int], torch.Tensor], None] | None = None) -> list[str]:
+                          read_into: Callable[[str, Sequence[int], torch.Tensor], None] | None = None,
+                          then: Callable[[str], None] | None = None) -> list[str]:
         """Load the model sections from a source in another format, piece by piece (collective).
 
         ``shapes`` maps the storage keys the source holds (``model.<name>``) to their global shapes; ``read(key,
@@ -182,6 +183,9 @@ class Checkpointer:
         instead and fills ``out`` (a view of the model's memory) with the region of its size. Each rank reads
         only its own pieces. As with :meth:`load_pretrained`, a frozen tensor the source lacks (or holds with
         another shape) is an error naming ``source``; trainable ones it lacks (adapters) keep their values.
-        Returns the keys that were not in the source."""
+        Returns the keys that were not in the source. ``then(key)``, where given, is called (on every rank, in the
+        same order) once this rank's pieces of ``key`` are in place -- to transform the tensor before the next is
+        read, e.g. quantize it and release its full-precision memory; the base fingerprint is then taken from the
+        parameters when a save or a load needs it, not from what was read."""
         self.wait()
-        return self._loads.load_base_tensors(source, shapes, read, read_into)
+        return self._loads.load_base_tensors(source, shapes, read, read_into, then)

@@ -276,7 +276,8 @@ class Loads:
 
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
                           read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor],
-                          read_into: Callable[[str, Sequence[int], torch.Tensor], None] | None = None) -> list[str]:
+                          read_into: Callable[[str, Sequence[int], torch.Tensor], None] | None = None,
+                          then: Callable[[str], None] | None = None) -> list[str]:
         """:meth:`~peftckpt.checkpoint.api.Checkpointer.load_base_tensors` (collective)."""
         request = self.parts.build(False, False).tensors()
         absent = sorted(k for k in request if k not in shapes)
@@ -292,7 +293,7 @@ class Loads:
                 + (f"{source} holds tensors of other shapes than this model's:\n" + "\n".join(wrong[:10])
                    if wrong else ""))
         self.comm.agree(error)
-        with self._fingerprinting_base(request) as fingerprinting:
+        with self._fingerprinting_base({} if then is not None else request) as fingerprinting:
             try:
                 with torch.no_grad():
                     for key, entry in request.items():
@@ -303,11 +304,16 @@ class Loads:
                                 else:
                                     piece.tensor.copy_(read(key, piece.offsets, piece.tensor.shape))
                                 fingerprinting.add(key, piece.offsets, piece.tensor)
+                            if then is not None:
+                                entry.pieces = []  # this load's last reference to the tensor: it may go now
+                                then(key)
             except CheckpointError as e:
                 error = e
             except (OSError, ValueError) as e:  # an unreadable or damaged source file: the source names it
                 error = CheckpointIntegrityError(f"{source} cannot be read: {e}")
             self.comm.agree(error)
+        if then is not None:  # the tensors changed after they were read: fingerprinted from the model when needed
+            self.parts.fingerprints.clear()
         return absent
 
     @contextlib.contextmanager

@@ -24,6 +24,7 @@ group factors (:mod:`peftckpt.model.nf4`), dequantized for each product.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -294,6 +295,8 @@ class ParallelLinear(nn.Module):
         shapes = nf4.stored_shapes((self.out_features, columns))
         dtype = w.dtype
         del self.weight
+        with contextlib.suppress(RuntimeError):  # storage a load handed over (not resizable) goes with its tensor
+            w.untyped_storage().resize_(0)  # the full-precision shard is released now, whoever else refers to it
         for name, local, dim in (("weight_nf4", q.codes, self.shard_dim), ("weight_scales", q.scales, self.shard_dim),
                                  ("weight_factors", q.factors, factors_dim)):
             setattr(self, name, self.tp.wrap_local(local, shapes[name], dim))

@@ -63,11 +63,13 @@ class TrainingRun(Protocol):
     def reseed(self, iteration: int) -> None: ...
     def checkpoint_config(self) -> dict[str, Any]: ...
     def quantize_base(self) -> bool: ...
+    def base_quantizer(self) -> Callable[[str], None] | None: ...
 
 
-def load_base(ckpt: Checkpointer, path: str, options: LoadOptions) -> str:
+def load_base(ckpt: Checkpointer, path: str, options: LoadOptions, then: Callable[[str], None] | None = None) -> str:
     """Load ``--pretrained-checkpoint`` into the model (collective): a torch_dist checkpoint, or an HF Llama
-    directory read per rank (each rank reads only the bytes of its own pieces). Returns what was loaded."""
+    directory read per rank (each rank reads only the bytes of its own pieces; ``then(key)`` after each tensor,
+    see :meth:`Checkpointer.load_base_tensors`). Returns what was loaded."""
     from ..interop import HFModelDir, InteropError, is_hf_dir
 
     if not is_hf_dir(path):
@@ -79,7 +81,8 @@ def load_base(ckpt: Checkpointer, path: str, options: LoadOptions) -> str:
     shapes = {f"{MODEL}.{name}": shape for name, (shape, _) in hf.ours.items()}
     ckpt.load_base_tensors(f"--pretrained-checkpoint {path}", shapes,
                            lambda key, offsets, sizes: hf.read(key.removeprefix(f"{MODEL}."), offsets, sizes),
-                           lambda key, offsets, out: hf.read_into(key.removeprefix(f"{MODEL}."), offsets, out))
+                           lambda key, offsets, out: hf.read_into(key.removeprefix(f"{MODEL}."), offsets, out),
+                           then)
     return f"{path} (HF safetensors)"
 
 
@@ -135,7 +138,9 @@ class TrainerCheckpointing:
         a, t = self.args, self.trainer
         if a.pretrained_checkpoint:
             start = time.perf_counter()
-            where = load_base(self.ckpt, a.pretrained_checkpoint, self._load_options(model_only=True))
+            # an HF base quantized tensor by tensor as it is read (a torch_dist one after it is loaded)
+            where = load_base(self.ckpt, a.pretrained_checkpoint, self._load_options(model_only=True),
+                              t.base_quantizer())
             t.logger.info(f"loaded base weights from {where} in {time.perf_counter() - start:.2f} s (trainable "
                           "tensors it does not hold, such as adapters, keep their initialisation)")
             if self.ckpt.base_fingerprint_wait_s is not None:

@@ -43,7 +43,7 @@ def evaluate(args: argparse.Namespace, world_size: int, rank: int) -> dict[str, 
     verify = not args.no_verify_checksums
     if args.pretrained_checkpoint:
         loaded["pretrained_checkpoint"] = load_base(ckpt, args.pretrained_checkpoint,
-                                                    LoadOptions(verify_checksums=verify))
+                                                    LoadOptions(verify_checksums=verify), trainer.base_quantizer())
     checkpointing.quantize_base()
     if args.load:
         res = ckpt.load(args.load, LoadOptions(load_optim=False, load_rng=False, verify_checksums=verify,

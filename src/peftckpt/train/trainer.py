@@ -145,16 +145,35 @@ class Trainer:
             config["base_quantization"] = nf4.record()
         return config
 
+    def _linears(self) -> dict[str, ParallelLinear]:
+        """This rank's linear layers by the storage key of their weight (``model.<name>.weight``)."""
+        return {f"model.{name}.weight": m for chunk in self.chunks for name, m in chunk.named_modules()
+                if isinstance(m, ParallelLinear)}
+
     def quantize_base(self) -> bool:
         """``--base-quantization nf4``: hold every frozen linear weight of this rank's chunks in NF4 from now on
-        (collective over TP; call once the base is in place). Returns whether it did."""
+        (collective over TP; call once the base is in place; those already quantized stay). Returns whether it
+        quantizes."""
         if self.base_quantization != "nf4":
             return False
-        for chunk in self.chunks:
-            for module in chunk.modules():
-                if isinstance(module, ParallelLinear):
-                    module.quantize_nf4()
+        for module in self._linears().values():
+            module.quantize_nf4()
         return True
+
+    def base_quantizer(self) -> Callable[[str], None] | None:
+        """For a base load that reads tensor by tensor: quantize each linear weight as soon as it is in place
+        (its full-precision memory released before the next is read), so the full-precision base is never held
+        whole; ``None`` without ``--base-quantization``."""
+        if self.base_quantization != "nf4":
+            return None
+        linears = self._linears()
+
+        def quantize(key: str) -> None:
+            module = linears.get(key)
+            if module is not None:
+                module.quantize_nf4()
+
+        return quantize
 
     def summary(self) -> str:
         """The run at a glance (printed at start): world and layout, model, and parameters -- total,
