@@ -11,9 +11,12 @@ Steps (each a real command, timed from outside; per-process peak RSS from /proc)
        last read; an adapter-only save at the end; then a resume (1 more iteration) and ``export-peft``.
     5. The same run from the imported torch_dist base.
     6. The fingerprint's CPU rate per version on one core.
+    7. QLoRA: LoRA in one process (TP=1) on the base held in NF4 (``--base-quantization nf4 --bf16``, quantized
+       tensor by tensor as the HF directory is read), 1 iteration and an adapter-only save: peak RSS against the
+       NF4 base's size, base load + quantization time, adapter checkpoint size.
 The targets are checked as ratios from this run; nothing here is asserted by the test suite.
 
-    python bench/scale_bench.py [--workdir DIR] [--layers N] [--keep] [--output FILE]
+    python bench/scale_bench.py [--workdir DIR] [--layers N] [--keep] [--output FILE] [--only-qlora]
 """
 
 from __future__ import annotations
@@ -184,6 +187,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="fewer for a quick look")
     p.add_argument("--keep", action="store_true", help="keep the imported base and the runs (the HF base is kept)")
     p.add_argument("--output", type=Path, default=None, help="JSON results (default WORKDIR/scale_results.json)")
+    p.add_argument("--only-qlora", action="store_true", help="step 7 only (after writing the base if needed)")
     a = p.parse_args()
     cfg = dict(SHAPE, num_hidden_layers=a.layers)
     work = a.workdir.absolute()
@@ -198,6 +202,12 @@ def main() -> None:
     r["hf_bytes"] = dir_bytes(hf)
     r["write_base_s"] = time.perf_counter() - t0
     print(f"HF base: {r['hf_bytes'] / GIB:.2f} GiB in {hf}", flush=True)
+    if a.only_qlora:
+        r["qlora"] = qlora_row(cfg, hf, work, py)
+        r["targets"] = qlora_targets(r)
+        (a.output or work / "scale_results_qlora.json").write_text(json.dumps(r, indent=2, default=str))
+        print("\n".join(render_qlora(r)))
+        return
 
     rmtree(base)
     evict(hf, "evict")
@@ -238,7 +248,8 @@ def main() -> None:
         print(f"{name}: {row}", flush=True)
 
     r["fingerprint_rates"] = fingerprint_rates(cfg)
-    r["targets"] = targets(r)
+    r["qlora"] = qlora_row(cfg, hf, work, py)
+    r["targets"] = targets(r) + qlora_targets(r)
     out = a.output or work / "scale_results.json"
     out.write_text(json.dumps(r, indent=2, default=str))
     print(render(r))
@@ -246,6 +257,59 @@ def main() -> None:
     if not a.keep:
         for path in [base, *work.glob("lora_*"), *work.glob("peft_*")]:
             rmtree(path)
+
+
+def nf4_bytes(cfg: dict[str, int]) -> int:
+    """Bytes of the base held as a QLoRA run holds it: linear weights in NF4 (codes, scales, factors), the rest
+    (embeddings, norms, output layer) in bf16."""
+    from peftckpt.model import nf4
+
+    total = 0
+    for name, shape in hf_tensors(cfg).items():
+        if len(shape) == 2 and ".layers." in name:
+            held = nf4.stored_shapes(shape)
+            total += math.prod(held["weight_nf4"]) + math.prod(held["weight_scales"]) + 4 * math.prod(held["weight_factors"])
+        else:
+            total += 2 * math.prod(shape)
+    return total
+
+
+def qlora_row(cfg: dict[str, int], hf: Path, work: Path, py: list[str]) -> dict[str, Any]:
+    """Step 7: one process, the HF base quantized to NF4 as it is read, 1 iteration, an adapter-only save."""
+    save, metrics = work / "lora_qlora", work / "metrics_qlora.jsonl"
+    rmtree(save)
+    rmtree(metrics)
+    evict(hf, "evict")
+    row = run([*py, "train", "--bf16", "--base-quantization", "nf4", "--seq-length", "16", "--micro-batch-size", "1",
+               "--global-batch-size", "1", "--mock-data", "--lr", "1e-4", "--log-interval", "1", "--no-progress", *LORA,
+               "--save-trainable-params-only", "--pretrained-checkpoint", str(hf), "--train-iters", "1", "--save",
+               str(save), "--metrics-file", str(metrics)], work / "train_qlora.log", first_line_of=metrics)
+    row["adapter_bytes"] = dir_bytes(save)
+    row["nf4_base_bytes"] = nf4_bytes(cfg)
+    log = (work / "train_qlora.log").read_text()
+    loaded = re.search(r"loaded base weights from .* in ([0-9.]+) s", log)
+    row["base_load_and_quantize_s"] = float(loaded.group(1)) if loaded else None
+    print(f"qlora: {row}", flush=True)
+    return row
+
+
+def qlora_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    row = r["qlora"]
+    share = row["nf4_base_bytes"]  # TP=1: the whole NF4 base is this rank's share
+    worst = max(row["peak_rss"]) if row["peak_rss"] else float("nan")
+    return [{"target": "qlora (TP=1, NF4): peak RSS <= 1.3 x the NF4 base + 2 GiB", "value": f"{worst / GIB:.2f} GiB",
+             "limit": f"{(1.3 * share + 2 * GIB) / GIB:.2f} GiB", "met": worst <= 1.3 * share + 2 * GIB}]
+
+
+def render_qlora(r: dict[str, Any]) -> list[str]:
+    row = r["qlora"]
+    return [f"qlora (TP=1, --base-quantization nf4 --bf16, from the HF directory): wall {row['wall_s']:.1f} s, "
+            f"launch->first step {row['first_step_s'] or float('nan'):.1f} s, base load + quantization "
+            f"{row.get('base_load_and_quantize_s') or float('nan'):.1f} s, NF4 base {row['nf4_base_bytes'] / GIB:.2f} "
+            f"GiB (bf16: {r['hf_bytes'] / GIB:.2f} GiB), peak RSS {max(row['peak_rss'] or [0]) / GIB:.2f} GiB, adapter "
+            f"checkpoint {row['adapter_bytes'] / 2**20:.1f} MiB"] + [
+        f"{'met ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (limit {t['limit']})" for t in r["targets"]
+        if t["target"].startswith("qlora")]
 
 
 def fingerprint_rates(cfg: dict[str, int]) -> dict[str, float]:
@@ -314,6 +378,8 @@ def render(r: dict[str, Any]) -> str:
                      f"export-peft {row['export_peft']['wall_s']:.1f} s")
     lines.append("fingerprint on one core: " + ", ".join(f"{v} {x:.2f} G elements/s"
                                                       for v, x in r.get("fingerprint_rates", {}).items()))
+    if "qlora" in r:
+        lines.append(render_qlora(r)[0])
     lines += [f"{'met ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (limit {t['limit']})"
               for t in r["targets"]]
     return "\n".join(lines)

@@ -112,13 +112,15 @@ def quantize(w: torch.Tensor, columns: int, start: int = 0,
         raise ValueError(problem)
     _, per = groups_of(columns)
     first_block = start // BLOCK
-    x = w.detach().float().reshape(rows, width // BLOCK, BLOCK)
-    absmax = x.abs().amax(dim=-1)  # [rows, blocks]
+    blocks = width // BLOCK
+    step = _rows_at_a_time(width)
+    absmax = torch.empty(rows, blocks, device=w.device)
+    for r in range(0, rows, step):  # a few rows at a time: the temporaries stay small whatever the weight
+        absmax[r:r + step] = w[r:r + step].detach().float().reshape(-1, blocks, BLOCK).abs().amax(dim=-1)
     # group maxima over the row's groups this shard touches (a full group's maximum once reduced over TP)
     first = first_block // per
-    local_groups = (first_block + width // BLOCK - 1) // per - first + 1
-    index = (torch.arange(width // BLOCK) + first_block) // per - first
-    index = index.to(absmax.device)
+    local_groups = (first_block + blocks - 1) // per - first + 1
+    index = ((torch.arange(blocks) + first_block) // per - first).to(absmax.device)
     gmax = torch.zeros(rows, local_groups, device=absmax.device).scatter_reduce(1, index.expand(rows, -1), absmax,
                                                                                "amax")
     if group_max is not None:
@@ -126,24 +128,40 @@ def quantize(w: torch.Tensor, columns: int, start: int = 0,
     factors = gmax / SCALE_CODES
     f = factors.gather(1, index.expand(rows, -1))
     scale_codes = torch.where(f > 0, torch.round(absmax / torch.where(f > 0, f, 1.0)), 0.0).clamp_(0, SCALE_CODES)
-    s = (scale_codes * f).unsqueeze(-1)
-    normed = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0.0).clamp_(-1.0, 1.0)
-    idx = torch.bucketize(normed, _MIDPOINTS.to(normed.device)).to(torch.uint8).reshape(rows, width)
-    codes = idx[:, 0::2] | (idx[:, 1::2] << 4)
-    return NF4Weight(codes.contiguous(), scale_codes.to(torch.uint8), factors, first_block, per)
+    scales = (scale_codes * f).unsqueeze(-1)
+    midpoints = _MIDPOINTS.to(w.device)
+    codes = torch.empty(rows, width // 2, dtype=torch.uint8, device=w.device)
+    for r in range(0, rows, step):
+        x = w[r:r + step].detach().float().reshape(-1, blocks, BLOCK)
+        s = scales[r:r + step]
+        normed = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0.0).clamp_(-1.0, 1.0)
+        idx = torch.bucketize(normed, midpoints).to(torch.uint8).reshape(-1, width)
+        codes[r:r + step] = idx[:, 0::2] | (idx[:, 1::2] << 4)
+    return NF4Weight(codes, scale_codes.to(torch.uint8), factors, first_block, per)
+
+
+def _rows_at_a_time(width: int) -> int:
+    """Rows quantized or dequantized at once: about 2**20 values (a few MB of temporaries)."""
+    return max(1, (1 << 20) // width)
 
 
 def dequantize(q: NF4Weight, dtype: torch.dtype = torch.bfloat16, rows: slice | None = None) -> torch.Tensor:
     """The shard's values (fp32 arithmetic, cast to ``dtype``); ``rows``: only those. Each code byte is looked up
-    whole (its two values at once, an embedding of the 256 bytes), then scaled per block."""
+    whole (its two values at once, an embedding of the 256 bytes), then scaled per block, a few rows at a time."""
     codes, scales, factors = q.codes, q.scales, q.factors
     if rows is not None:
         codes, scales, factors = codes[rows], scales[rows], factors[rows]
     n, half = codes.shape
-    values = F.embedding(codes.int(), _PAIRS.to(codes.device)).reshape(n, scales.shape[1], BLOCK)
-    index = ((torch.arange(scales.shape[1]) + q.first_block) // q.per_group - q.first_group).to(codes.device)
-    s = scales.float() * factors.gather(1, index.expand(n, -1))
-    return (values * s.unsqueeze(-1)).reshape(n, 2 * half).to(dtype)
+    blocks = scales.shape[1]
+    index = ((torch.arange(blocks) + q.first_block) // q.per_group - q.first_group).to(codes.device)
+    pairs = _PAIRS.to(codes.device)
+    out = torch.empty(n, 2 * half, dtype=dtype, device=codes.device)
+    step = _rows_at_a_time(2 * half)
+    for r in range(0, n, step):
+        s = scales[r:r + step].float() * factors[r:r + step].gather(1, index.expand(min(step, n - r), -1))
+        values = F.embedding(codes[r:r + step].int(), pairs).reshape(-1, blocks, BLOCK)
+        out[r:r + step] = (values * s.unsqueeze(-1)).reshape(-1, 2 * half)
+    return out
 
 
 _BACKWARD_ROWS = 1024
