@@ -113,3 +113,20 @@ def test_a_quantized_layer_computes_with_the_dequantized_weight_forward_and_back
     with pytest.raises(ValueError, match="only a frozen"):
         model.decoder.layers["0"].mlp.linear_fc1.requires_grad_(True)
         model.decoder.layers["0"].mlp.linear_fc1.quantize_nf4()
+
+
+def test_geometries_nf4_cannot_split_are_flag_errors() -> None:
+    from peftckpt.train.args import ArgumentError, parse_train_args
+
+    tiny = ["--num-layers", "1", "--num-attention-heads", "4", "--vocab-size", "64", "--mock-data", "--lora-rank", "4",
+            "--base-quantization", "nf4", "--seq-length", "16", "--global-batch-size", "2", "--micro-batch-size", "1"]
+    parse_train_args([*tiny, "--hidden-size", "128", "--ffn-hidden-size", "256", "--tensor-model-parallel-size", "2"],
+                     2)
+    with pytest.raises(ArgumentError, match=r"linear_proj input .* 32 per --tensor-model-parallel-size 2 rank"):
+        parse_train_args([*tiny, "--hidden-size", "64", "--ffn-hidden-size", "256", "--tensor-model-parallel-size",
+                          "2"], 2)
+    with pytest.raises(ArgumentError, match="2 double-quantization groups per row cannot be split over 4 ranks"):
+        parse_train_args([*tiny, "--hidden-size", "256", "--ffn-hidden-size", str(64 * 300),
+                          "--tensor-model-parallel-size", "4"], 4)
+    with pytest.raises(ArgumentError, match="with --lora-rank 0 nothing is frozen"):
+        parse_train_args([*tiny, "--hidden-size", "128", "--lora-rank", "0"], 1)

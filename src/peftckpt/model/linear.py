@@ -295,8 +295,10 @@ class ParallelLinear(nn.Module):
         shapes = nf4.stored_shapes((self.out_features, columns))
         dtype = w.dtype
         del self.weight
-        with contextlib.suppress(RuntimeError):  # storage a load handed over (not resizable) goes with its tensor
-            w.untyped_storage().resize_(0)  # the full-precision shard is released now, whoever else refers to it
+        # The full-precision shard is released now, whoever else still refers to it; a storage that cannot be
+        # resized (some loads hand over such) goes with its last reference instead.
+        with contextlib.suppress(RuntimeError):
+            w.untyped_storage().resize_(0)
         for name, local, dim in (("weight_nf4", q.codes, self.shard_dim), ("weight_scales", q.scales, self.shard_dim),
                                  ("weight_factors", q.factors, factors_dim)):
             setattr(self, name, self.tp.wrap_local(local, shapes[name], dim))

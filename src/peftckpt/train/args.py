@@ -362,6 +362,9 @@ def _check_base_quantization(args: argparse.Namespace, cfg: GPTConfig, tp: int) 
             ("linear_fc2", cfg.ffn, tp, "--ffn-hidden-size")):
         width = columns // split
         problems = [p for r in range(split) if (p := nf4.shard_problem(columns, r * width, width)) is not None]
+        groups = nf4.groups_of(columns)[0]
+        if not problems and split > 1 and groups > 1 and groups % split:
+            problems = [f"its {groups} double-quantization groups per row cannot be split over {split} ranks"]
         if problems:
             per_rank = f" per --tensor-model-parallel-size {tp} rank" if split > 1 else ""
             raise ArgumentError(f"--base-quantization nf4: the {layer} input ({flags}: {columns} columns, {width}"
