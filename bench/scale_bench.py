@@ -14,6 +14,8 @@ Steps (each a real command, timed from outside; per-process peak RSS from /proc)
     7. QLoRA: LoRA in one process (TP=1) on the base held in NF4 (``--base-quantization nf4 --bf16``, quantized
        tensor by tensor as the HF directory is read), 1 iteration and an adapter-only save: peak RSS against the
        NF4 base's size, base load + quantization time, adapter checkpoint size.
+    8. The same on a Llama-2-13B-shaped HF directory (hidden 5120, 40 layers, ffn 13824, 40 heads; 24.2 GiB of
+       bf16, kept in WORKDIR/hf13b) at TP=2: peak RSS per rank against its share of the NF4 base.
 The targets are checked as ratios from this run; nothing here is asserted by the test suite.
 
     python bench/scale_bench.py [--workdir DIR] [--layers N] [--keep] [--output FILE] [--only-qlora]
@@ -42,6 +44,8 @@ from peftckpt.interop.safetensors_io import write_safetensors  # noqa: E402
 GIB = 2**30
 SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008, "num_attention_heads": 32,
          "num_key_value_heads": 32, "vocab_size": 32000}
+SHAPE_13B = {"hidden_size": 5120, "num_hidden_layers": 40, "intermediate_size": 13824, "num_attention_heads": 40,
+             "num_key_value_heads": 40, "vocab_size": 32000}
 LORA = ["--lora-rank", "16", "--lora-alpha", "32", "--lora-target-modules", "linear_q", "linear_k", "linear_v",
         "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"]
 
@@ -187,7 +191,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="fewer for a quick look")
     p.add_argument("--keep", action="store_true", help="keep the imported base and the runs (the HF base is kept)")
     p.add_argument("--output", type=Path, default=None, help="JSON results (default WORKDIR/scale_results.json)")
-    p.add_argument("--only-qlora", action="store_true", help="step 7 only (after writing the base if needed)")
+    p.add_argument("--only-qlora", action="store_true", help="steps 7 and 8 only (after writing the bases if needed)")
     a = p.parse_args()
     cfg = dict(SHAPE, num_hidden_layers=a.layers)
     work = a.workdir.absolute()
@@ -203,7 +207,7 @@ def main() -> None:
     r["write_base_s"] = time.perf_counter() - t0
     print(f"HF base: {r['hf_bytes'] / GIB:.2f} GiB in {hf}", flush=True)
     if a.only_qlora:
-        r["qlora"] = qlora_row(cfg, hf, work, py)
+        qlora_rows(r, a.layers, cfg, hf, work, py, tr)
         r["targets"] = qlora_targets(r)
         (a.output or work / "scale_results_qlora.json").write_text(json.dumps(r, indent=2, default=str))
         print("\n".join(render_qlora(r)))
@@ -248,7 +252,7 @@ def main() -> None:
         print(f"{name}: {row}", flush=True)
 
     r["fingerprint_rates"] = fingerprint_rates(cfg)
-    r["qlora"] = qlora_row(cfg, hf, work, py)
+    qlora_rows(r, a.layers, cfg, hf, work, py, tr)
     r["targets"] = targets(r) + qlora_targets(r)
     out = a.output or work / "scale_results.json"
     out.write_text(json.dumps(r, indent=2, default=str))
@@ -274,42 +278,67 @@ def nf4_bytes(cfg: dict[str, int]) -> int:
     return total
 
 
-def qlora_row(cfg: dict[str, int], hf: Path, work: Path, py: list[str]) -> dict[str, Any]:
-    """Step 7: one process, the HF base quantized to NF4 as it is read, 1 iteration, an adapter-only save."""
-    save, metrics = work / "lora_qlora", work / "metrics_qlora.jsonl"
+def qlora_rows(r: dict[str, Any], layers: int, cfg: dict[str, int], hf: Path, work: Path, py: list[str],
+               tr: list[str]) -> None:
+    """Steps 7 (the 7B-shaped base at TP=1) and 8 (a 13B-shaped one, written if needed, at TP=2)."""
+    r["qlora"] = qlora_row(cfg, hf, work, py, 1, "qlora")
+    cfg13 = dict(SHAPE_13B, num_hidden_layers=min(layers, SHAPE_13B["num_hidden_layers"]))
+    hf13 = work / "hf13b"
+    write_base(hf13, cfg13)
+    r["qlora_13b"] = qlora_row(cfg13, hf13, work, tr, 2, "qlora_13b")
+    r["qlora_13b"]["bf16_bytes"] = dir_bytes(hf13)
+
+
+def qlora_row(cfg: dict[str, int], hf: Path, work: Path, launcher: list[str], tp: int, name: str) -> dict[str, Any]:
+    """One process per TP rank, the HF base quantized to NF4 as it is read, 1 iteration, an adapter-only save."""
+    save, metrics = work / f"lora_{name}", work / f"metrics_{name}.jsonl"
     rmtree(save)
     rmtree(metrics)
     evict(hf, "evict")
-    row = run([*py, "train", "--bf16", "--base-quantization", "nf4", "--seq-length", "16", "--micro-batch-size", "1",
-               "--global-batch-size", "1", "--mock-data", "--lr", "1e-4", "--log-interval", "1", "--no-progress", *LORA,
-               "--save-trainable-params-only", "--pretrained-checkpoint", str(hf), "--train-iters", "1", "--save",
-               str(save), "--metrics-file", str(metrics)], work / "train_qlora.log", first_line_of=metrics)
+    row = run([*launcher, "train", "--bf16", "--base-quantization", "nf4", "--tensor-model-parallel-size", str(tp),
+               "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--mock-data", "--lr",
+               "1e-4", "--log-interval", "1", "--no-progress", *LORA, "--save-trainable-params-only",
+               "--pretrained-checkpoint", str(hf), "--train-iters", "1", "--save", str(save), "--metrics-file",
+               str(metrics)], work / f"train_{name}.log", first_line_of=metrics)
+    row["tp"] = tp
     row["adapter_bytes"] = dir_bytes(save)
     row["nf4_base_bytes"] = nf4_bytes(cfg)
-    log = (work / "train_qlora.log").read_text()
+    log = (work / f"train_{name}.log").read_text()
     loaded = re.search(r"loaded base weights from .* in ([0-9.]+) s", log)
     row["base_load_and_quantize_s"] = float(loaded.group(1)) if loaded else None
-    print(f"qlora: {row}", flush=True)
+    print(f"{name}: {row}", flush=True)
     return row
 
 
 def qlora_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    row = r["qlora"]
-    share = row["nf4_base_bytes"]  # TP=1: the whole NF4 base is this rank's share
-    worst = max(row["peak_rss"]) if row["peak_rss"] else float("nan")
-    return [{"target": "qlora (TP=1, NF4): peak RSS <= 1.3 x the NF4 base + 2 GiB", "value": f"{worst / GIB:.2f} GiB",
-             "limit": f"{(1.3 * share + 2 * GIB) / GIB:.2f} GiB", "met": worst <= 1.3 * share + 2 * GIB}]
+    out = []
+    for name, label in (("qlora", "7B"), ("qlora_13b", "13B")):
+        row = r.get(name)
+        if row is None:
+            continue
+        share = row["nf4_base_bytes"] / row["tp"]  # this rank's share of the NF4 base (norms aside)
+        worst = max(row["peak_rss"]) if row["peak_rss"] else float("nan")
+        out.append({"target": f"qlora {label} (TP={row['tp']}, NF4): peak RSS per rank <= 1.3 x its NF4 share + 2 GiB",
+                    "value": f"{worst / GIB:.2f} GiB", "limit": f"{(1.3 * share + 2 * GIB) / GIB:.2f} GiB",
+                    "met": worst <= 1.3 * share + 2 * GIB})
+    return out
 
 
 def render_qlora(r: dict[str, Any]) -> list[str]:
-    row = r["qlora"]
-    return [f"qlora (TP=1, --base-quantization nf4 --bf16, from the HF directory): wall {row['wall_s']:.1f} s, "
-            f"launch->first step {row['first_step_s'] or float('nan'):.1f} s, base load + quantization "
-            f"{row.get('base_load_and_quantize_s') or float('nan'):.1f} s, NF4 base {row['nf4_base_bytes'] / GIB:.2f} "
-            f"GiB (bf16: {r['hf_bytes'] / GIB:.2f} GiB), peak RSS {max(row['peak_rss'] or [0]) / GIB:.2f} GiB, adapter "
-            f"checkpoint {row['adapter_bytes'] / 2**20:.1f} MiB"] + [
-        f"{'met ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (limit {t['limit']})" for t in r["targets"]
-        if t["target"].startswith("qlora")]
+    lines = []
+    for name, label in (("qlora", "7B"), ("qlora_13b", "13B")):
+        row = r.get(name)
+        if row is None:
+            continue
+        bf16 = row.get("bf16_bytes", r["hf_bytes"])
+        lines.append(f"qlora {label} (TP={row['tp']}, --base-quantization nf4 --bf16, from the HF directory): wall "
+                     f"{row['wall_s']:.1f} s, launch->first step {row['first_step_s'] or float('nan'):.1f} s, base load "
+                     f"+ quantization {row.get('base_load_and_quantize_s') or float('nan'):.1f} s, NF4 base "
+                     f"{row['nf4_base_bytes'] / GIB:.2f} GiB (bf16: {bf16 / GIB:.2f} GiB), peak RSS per rank "
+                     f"{', '.join(f'{v / GIB:.2f}' for v in row['peak_rss'])} GiB, adapter checkpoint "
+                     f"{row['adapter_bytes'] / 2**20:.1f} MiB")
+    return lines + [f"{'met ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (limit {t['limit']})"
+                    for t in r["targets"] if t["target"].startswith("qlora")]
 
 
 def fingerprint_rates(cfg: dict[str, int]) -> dict[str, float]:
@@ -379,7 +408,7 @@ def render(r: dict[str, Any]) -> str:
     lines.append("fingerprint on one core: " + ", ".join(f"{v} {x:.2f} G elements/s"
                                                       for v, x in r.get("fingerprint_rates", {}).items()))
     if "qlora" in r:
-        lines.append(render_qlora(r)[0])
+        lines += [line for line in render_qlora(r) if not line.startswith(("met ", "MISSED"))]
     lines += [f"{'met ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (limit {t['limit']})"
               for t in r["targets"]]
     return "\n".join(lines)
