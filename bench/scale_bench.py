@@ -15,7 +15,8 @@ Steps (each a real command, timed from outside; per-process peak RSS from /proc)
        tensor by tensor as the HF directory is read), 1 iteration and an adapter-only save: peak RSS against the
        NF4 base's size, base load + quantization time, adapter checkpoint size.
     8. The same on a Llama-2-13B-shaped HF directory (hidden 5120, 40 layers, ffn 13824, 40 heads; 24.2 GiB of
-       bf16, kept in WORKDIR/hf13b) at TP=2: peak RSS per rank against its share of the NF4 base.
+       bf16, kept in WORKDIR/hf13b; --layers scales its depth too) at TP=2: peak RSS per rank against its share
+       of the NF4 base.
 The targets are checked as ratios from this run; nothing here is asserted by the test suite.
 
     python bench/scale_bench.py [--workdir DIR] [--layers N] [--keep] [--output FILE] [--only-qlora]
@@ -282,7 +283,9 @@ def qlora_rows(r: dict[str, Any], layers: int, cfg: dict[str, int], hf: Path, wo
                tr: list[str]) -> None:
     """Steps 7 (the 7B-shaped base at TP=1) and 8 (a 13B-shaped one, written if needed, at TP=2)."""
     r["qlora"] = qlora_row(cfg, hf, work, py, 1, "qlora")
-    cfg13 = dict(SHAPE_13B, num_hidden_layers=min(layers, SHAPE_13B["num_hidden_layers"]))
+    # --layers scales both bases alike (the default: each its own full depth)
+    depth = max(1, round(SHAPE_13B["num_hidden_layers"] * layers / SHAPE["num_hidden_layers"]))
+    cfg13 = dict(SHAPE_13B, num_hidden_layers=depth)
     hf13 = work / "hf13b"
     write_base(hf13, cfg13)
     r["qlora_13b"] = qlora_row(cfg13, hf13, work, tr, 2, "qlora_13b")
