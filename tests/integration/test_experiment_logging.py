@@ -280,3 +280,25 @@ def test_a_run_stopped_by_a_signal_flushes_tensorboard(tmp_path: Path, monkeypat
     assert trainer.logger.writers == []  # closed
     assert [step for step, _ in _scalars(tb)["loss"]] == [1, 2]
     assert [loss for _, loss in _scalars(tb)["loss"]] == [_f32(x) for x in trainer.losses]
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path: Path) -> None:
+    """The W&B run id is recorded with each checkpoint's flags; a run resumed from that checkpoint (same
+    ``--wandb-project``) continues the same W&B run, a fresh run or another project starts a new one."""
+    from peftckpt.checkpoint.storage.manifest import read_manifest
+
+    save = tmp_path / "save"
+    common = ["train", *TINY, "--train-iters", "4", "--save", str(save), "--save-interval", "2"]
+    wandb_env = {**_wandb_env(tmp_path), "WANDB_MODE": "offline"}
+    peftckpt([*common, "--exit-interval", "2", "--wandb-project", "p"], cwd=tmp_path, extra_env=wandb_env)
+    (first,) = _wandb_runs(tmp_path)
+    run_id = first.name.rsplit("-", 1)[-1]
+    assert read_manifest(save / "iter_0000002").args["wandb_run_id"] == run_id
+    peftckpt([*common, "--load", str(save), "--wandb-project", "p"], cwd=tmp_path, extra_env=wandb_env)
+    resumed = [r for r in _wandb_runs(tmp_path) if r != first]
+    assert [r.name.rsplit("-", 1)[-1] for r in resumed] == [run_id]  # the same W&B run, continued
+    assert read_manifest(save / "iter_0000004").args["wandb_run_id"] == run_id
+    peftckpt([*common, "--load", str(save), "--train-iters", "6", "--wandb-project", "other"], cwd=tmp_path,
+             extra_env=wandb_env)
+    ids = [r.name.rsplit("-", 1)[-1] for r in _wandb_runs(tmp_path)]
+    assert len(ids) == 3 and ids.count(run_id) == 2  # another project: a run of its own

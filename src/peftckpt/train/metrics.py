@@ -77,10 +77,11 @@ class WandbWriter(ScalarWriter):
     It never waits on a network it has not been told to use: ``WANDB_MODE`` from the environment is honoured;
     without it and without an API key (:func:`wandb_key_configured`) the run is offline, said in one line
     (``wandb sync`` uploads it later). An online start that fails (no network: W&B gives up after its
-    ``init_timeout``) is a warning, and the run logs offline instead."""
+    ``init_timeout``) is a warning, and the run logs offline instead. ``run_id``: continue that W&B run (a
+    resumed training run continues the W&B run of the checkpoint it resumes from); :attr:`run_id` is this run's."""
 
     def __init__(self, project: str, name: str | None, save_dir: str | None, config: dict[str, Any],
-                 interval: int = 1):
+                 interval: int = 1, run_id: str | None = None):
         super().__init__(interval)
         import wandb
 
@@ -98,6 +99,8 @@ class WandbWriter(ScalarWriter):
                 self.note = (f"W&B: no API key (WANDB_API_KEY, ~/.netrc) and WANDB_MODE unset: logging offline in "
                              f"{where} (upload with `wandb sync`; set WANDB_MODE=online to log online)")
         init: dict[str, Any] = dict(project=project, name=name, dir=save_dir, config=config)
+        if run_id:
+            init |= dict(id=run_id, resume="allow")
         try:
             self._run = wandb.init(**init, mode=mode)
         except Exception as e:
@@ -107,6 +110,7 @@ class WandbWriter(ScalarWriter):
             warnings.warn(f"--wandb-project: W&B did not start online ({reason}); logging offline in {where} "
                           "instead (upload with `wandb sync`)", stacklevel=2)
             self._run = wandb.init(**init, mode="offline")
+        self.run_id: str = str(self._run.id)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=step)
@@ -122,6 +126,26 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             if isinstance(v, plain) and k != "checkpoint_defaults"}
 
 
+def resumed_wandb_run(args: argparse.Namespace) -> str | None:
+    """The W&B run a resume continues: the one the ``--load`` checkpoint recorded, when it logged to the same
+    ``--wandb-project`` (``None`` for a fresh run, ``--finetune``, or a checkpoint that recorded none)."""
+    if not getattr(args, "load", None) or getattr(args, "finetune", False):
+        return None
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.location.locate import manifest_at
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            recorded = manifest_at(args.load).args
+    except CheckpointError:
+        return None  # nothing to resume (the load says so itself)
+    if not recorded or recorded.get("wandb_project") != args.wandb_project:
+        return None
+    run_id = recorded.get("wandb_run_id")
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
 def open_writers(args: argparse.Namespace) -> list[ScalarWriter]:
     """The writers ``--tensorboard-dir`` and ``--wandb-project`` ask for (called on global rank 0 only)."""
     interval = getattr(args, "tensorboard_log_interval", None) or 1
@@ -130,8 +154,11 @@ def open_writers(args: argparse.Namespace) -> list[ScalarWriter]:
         if getattr(args, "tensorboard_dir", None):
             writers.append(TensorBoardWriter(args.tensorboard_dir, interval))
         if getattr(args, "wandb_project", None):
-            writers.append(WandbWriter(args.wandb_project, getattr(args, "wandb_exp_name", None),
-                                       getattr(args, "wandb_save_dir", None), run_config(args), interval))
+            wandb = WandbWriter(args.wandb_project, getattr(args, "wandb_exp_name", None),
+                                getattr(args, "wandb_save_dir", None), run_config(args), interval,
+                                resumed_wandb_run(args))
+            args.wandb_run_id = wandb.run_id  # recorded with every checkpoint's flags: a resume continues the run
+            writers.append(wandb)
     except BaseException:
         for writer in writers:
             writer.close(1)
