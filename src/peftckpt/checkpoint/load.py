@@ -314,6 +314,7 @@ class Loads:
             self.comm.agree(error)
         if then is not None:  # the tensors changed after they were read: fingerprinted from the model when needed
             self.parts.fingerprints.clear()
+            self.base_fingerprint_wait_s = None
         return absent
 
     @contextlib.contextmanager

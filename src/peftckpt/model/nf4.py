@@ -3,8 +3,8 @@
 A weight ``[out, in]`` is cut, row by row, into blocks of :data:`BLOCK` (64) consecutive elements. Each element is
 stored as the index (4 bits, two per byte) of the nearest of the 16 NF4 values (the quantiles of a normal
 distribution, scaled to ``[-1, 1]``, with an exact zero) to ``w / s``, where ``s`` is its block's absolute
-maximum. The block maxima are double-quantized: the blocks of one row are split into the fewest equal groups of
-at most :data:`GROUP_BLOCKS` (256) blocks, each group keeps one fp32 factor ``f = max / 255`` and each block an
+maximum. The block maxima are double-quantized: the blocks of one row are split into the fewest groups of at
+most :data:`GROUP_BLOCKS` (256) blocks, all of one size but the last, each group keeps one fp32 factor ``f = max / 255`` and each block an
 8-bit code ``round(s / f)``. Dequantized, an element is ``NF4[code] * (scale code * f)``, computed in fp32.
 
 Everything is defined on the global tensor and computed from exact operations (maxima, elementwise arithmetic):

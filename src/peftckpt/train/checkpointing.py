@@ -62,7 +62,7 @@ class TrainingRun(Protocol):
     def sampler(self) -> GlobalBatchSampler: ...
     def reseed(self, iteration: int) -> None: ...
     def checkpoint_config(self) -> dict[str, Any]: ...
-    def quantize_base(self) -> bool: ...
+    def quantize_base(self) -> int | None: ...
     def base_quantizer(self) -> Callable[[str], None] | None: ...
 
 
@@ -182,9 +182,12 @@ class TrainerCheckpointing:
         """``--base-quantization nf4``: the base, now in place (loaded or initialised), held in NF4 from here on;
         checkpoints fingerprint the quantized base they train on."""
         start = time.perf_counter()
-        if self.trainer.quantize_base():
-            self.ckpt.base_changed()
-            self.trainer.logger.info(f"base linear weights quantized to NF4 in {time.perf_counter() - start:.2f} s")
+        now = self.trainer.quantize_base()
+        if now is None:
+            return
+        self.ckpt.base_changed()
+        self.trainer.logger.info(f"{now} linear weights quantized to NF4 in {time.perf_counter() - start:.2f} s" if now
+                                 else "base linear weights quantized to NF4 as they were read")
 
     def objects(self) -> dict[str, Any]:
         t = self.trainer

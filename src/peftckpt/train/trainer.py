@@ -150,15 +150,16 @@ class Trainer:
         return {f"model.{name}.weight": m for chunk in self.chunks for name, m in chunk.named_modules()
                 if isinstance(m, ParallelLinear)}
 
-    def quantize_base(self) -> bool:
+    def quantize_base(self) -> int | None:
         """``--base-quantization nf4``: hold every frozen linear weight of this rank's chunks in NF4 from now on
-        (collective over TP; call once the base is in place; those already quantized stay). Returns whether it
-        quantizes."""
+        (collective over TP; call once the base is in place; those already quantized stay). Returns how many it
+        quantized now (``None`` without ``--base-quantization``)."""
         if self.base_quantization != "nf4":
-            return False
-        for module in self._linears().values():
+            return None
+        todo = [m for m in self._linears().values() if m.nf4 is None]
+        for module in todo:
             module.quantize_nf4()
-        return True
+        return len(todo)
 
     def base_quantizer(self) -> Callable[[str], None] | None:
         """For a base load that reads tensor by tensor: quantize each linear weight as soon as it is in place
