@@ -31,7 +31,6 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..checkpoint.checks.integrity import DCP_METADATA_FILENAME, storage_problems
-from ..checkpoint.checks.load_checks import QUANTIZATION_KEY
 from ..checkpoint.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointMismatchError
 from ..checkpoint.location import protocol
 from ..checkpoint.location.base import Location
@@ -41,6 +40,7 @@ from ..checkpoint.state.sections import MODEL
 from ..checkpoint.storage.manifest import TORCH_DIST, Manifest
 from ..checkpoint.storage.safe_pickle import METADATA_MAX_BYTES, load_dcp_metadata
 from ..model.config import GPTConfig, LoRAConfig
+from .nf4_base import is_nf4
 
 __all__ = ["ArchitectureMismatchError", "architecture_problem", "checked_manifest", "stored_model_shapes"]
 
@@ -110,12 +110,6 @@ def _expected(cfg: GPTConfig, lora: LoRAConfig | None, quantized: bool = False) 
                 held = nf4.stored_shapes(shapes.pop(f"{name}.weight"))
                 shapes.update({f"{name}.{suffix}": shape for suffix, shape in held.items()})
     return shapes
-
-
-def _nf4(config: Mapping[str, Any]) -> bool:
-    """Whether ``config`` says the base's linear weights are held in NF4."""
-    held = config.get(QUANTIZATION_KEY)
-    return isinstance(held, Mapping) and held.get("method") == "nf4"
 
 
 def _field_of(name: str, dim: int) -> str | None:
@@ -191,7 +185,7 @@ def architecture_problem(manifest: Manifest, stored: Shapes, where: str, held: s
         except (TypeError, ValueError):
             return None  # the LoRA flags' own checks say which value
     try:
-        expected = _expected(cfg, lora, _nf4(config))
+        expected = _expected(cfg, lora, is_nf4(config))
     except (TypeError, ValueError):
         return None
     for name in _first(set(stored)):

@@ -37,7 +37,7 @@ from ..sharding.entries import GlobalTensor, LazyGlobalTensor, global_tensor_of
 from .architecture import checked_manifest
 from .hf_dir import HFModelDir, is_hf_dir
 from .hf_llama import InteropError, config_to_hf, hf_export_plan, write_hf_dir
-from .nf4_base import NF4Base, is_nf4, quantization_error
+from .nf4_base import NF4Base, is_nf4
 from .peft import adapter_to_peft, is_adapter_name, peft_to_adapter, read_peft_dir, write_peft_dir
 
 __all__ = ["import_hf", "export_hf", "export_peft", "import_peft"]
@@ -247,12 +247,13 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
     projections, merged with its adapter delta (in float64) and written, one at a time. A QLoRA adapter (trained
     on the base held in NF4) is checked against the base quantized here (:mod:`~peftckpt.interop.nf4_base`) and
     merged into its full-precision weights; ``report`` (if given) then gets a line saying how far those are from
-    the NF4 values the adapter was trained on."""
+    the NF4 values the adapter was trained on (measured by that check: none with ``verify_base=False``)."""
     ckpt = open_checkpoint(ckpt_path, verify_checksums)
     cfg = checked_config(ckpt)
     hf_config = config_to_hf(cfg, dtype)
     sources: dict[str, HFModelDir | OfflineCheckpoint] = dict.fromkeys(ckpt.model_shapes(), ckpt)
     qlora = is_nf4(ckpt.manifest.model_config)
+    quantized: NF4Base | None = None  # the base as the adapter saw it, once its fingerprint was checked
     if not ckpt.manifest.holds_every_weight:
         base_src = _open_base(_base_path(ckpt, base), verify_checksums)
         if verify_base and ckpt.manifest.base_fingerprint:
@@ -260,7 +261,8 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
             version = fingerprint_version(ckpt.manifest.base_fingerprint)
             held: TensorSource = base_src
             if qlora:  # the fingerprint is of the NF4 base: quantize the given one to compare
-                held = NF4Base(base_src, [k.removesuffix("_nf4") for k in frozen if k.endswith(".weight_nf4")])
+                held = quantized = NF4Base(base_src, [k.removesuffix("_nf4") for k in frozen
+                                                      if k.endswith(".weight_nf4")])
             mine = lazy_fingerprint(held, frozen, version) if set(held.model_shapes()).issuperset(frozen) \
                 else "incomplete"
             if mine != ckpt.manifest.base_fingerprint:
@@ -289,22 +291,17 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
         for name, part in split(torch.empty(shape, device="meta")):
             specs[name] = (dtype, tuple(part.shape))
 
-    error = [0.0, 0.0]  # QLoRA: |W - NF4(W)|^2 and |W|^2 over the linear weights
-
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for ours, split in plan:
-            whole = sources[ours].model_tensors([ours])[ours]
-            if qlora and ".linear_" in ours:  # a linear layer's weight: held in NF4 in training
-                error[:] = [a + b for a, b in zip(error, quantization_error(whole))]
-            for name, w in split(whole):
+            for name, w in split(sources[ours].model_tensors([ours])[ours]):
                 if name in deltas:
                     w = (w.double() + deltas[name]).to(w.dtype)
                 yield name, w.to(dtype)
 
     with _output_dir(out) as out_dir:
         write_hf_dir(out_dir, hf_config, specs, tensors())
-    if qlora and report is not None:
+    if quantized is not None and report is not None:
         report.append(f"the adapter was trained on the base held in NF4 and is merged into its full-precision "
-                      f"weights, which differ from the NF4 values by {100 * (error[0] / max(error[1], 1e-30)) ** 0.5:.2f} "
-                      "% (relative norm over the linear layers): evaluate the merged model before relying on it")
+                      f"weights, which differ from the NF4 values by {100 * quantized.relative_error():.2f} % "
+                      "(relative norm over the linear layers): evaluate the merged model before relying on it")
     return out_dir

@@ -20,7 +20,7 @@ from ..checkpoint.checks.load_checks import QUANTIZATION_KEY
 from ..checkpoint.tools.offline import TensorSource
 from ..model import nf4
 
-__all__ = ["NF4Base", "is_nf4", "quantization_error"]
+__all__ = ["NF4Base", "is_nf4"]
 
 _PARTS = {"weight_nf4": "codes", "weight_scales": "scales", "weight_factors": "factors"}
 
@@ -40,6 +40,8 @@ class NF4Base:
         self.path: Path = source.path
         self.linears = set(linears)
         self._last: tuple[str, nf4.NF4Weight] | None = None
+        self.error = [0.0, 0.0]
+        """``|W - NF4(W)|^2`` and ``|W|^2`` summed over the weights quantized so far."""
 
     def model_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         shapes = dict(self.source.model_shapes())
@@ -65,12 +67,13 @@ class NF4Base:
     def _quantized(self, weight: str) -> nf4.NF4Weight:
         if self._last is None or self._last[0] != weight:
             w = self.source.model_tensors([weight])[weight]
-            self._last = (weight, nf4.quantize(w, w.shape[1]))
+            q = nf4.quantize(w, w.shape[1])
+            self._last = (weight, q)
+            w = w.float()
+            self.error[0] += float((w - nf4.dequantize(q, torch.float32)).square().sum())
+            self.error[1] += float(w.square().sum())
         return self._last[1]
 
-
-def quantization_error(weight: torch.Tensor) -> tuple[float, float]:
-    """``(|W - dequantized(W)|^2, |W|^2)`` of one linear weight held in NF4 (sums, for a relative norm)."""
-    w = weight.float()
-    back = nf4.dequantize(nf4.quantize(w, w.shape[1]), torch.float32)
-    return float((w - back).square().sum()), float(w.square().sum())
+    def relative_error(self) -> float:
+        """The relative norm of ``W - NF4(W)`` over every weight quantized so far."""
+        return (self.error[0] / max(self.error[1], 1e-30)) ** 0.5

@@ -24,7 +24,6 @@ group factors (:mod:`peftckpt.model.nf4`), dequantized for each product.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -294,11 +293,7 @@ class ParallelLinear(nn.Module):
             factors_dim = 1
         shapes = nf4.stored_shapes((self.out_features, columns))
         dtype = w.dtype
-        del self.weight
-        # The full-precision shard is released now, whoever else still refers to it; a storage that cannot be
-        # resized (some loads hand over such) goes with its last reference instead.
-        with contextlib.suppress(RuntimeError):
-            w.untyped_storage().resize_(0)
+        del self.weight  # its memory goes with the last reference (a load reading tensor by tensor drops its own)
         for name, local, dim in (("weight_nf4", q.codes, self.shard_dim), ("weight_scales", q.scales, self.shard_dim),
                                  ("weight_factors", q.factors, factors_dim)):
             setattr(self, name, self.tp.wrap_local(local, shapes[name], dim))
