@@ -1,6 +1,7 @@
 """QLoRA (``--base-quantization nf4``) through the CLI, as a user runs it: LoRA on a base whose linear weights are
 held in NF4, quantized identically at every layout. The quantized base is the same at TP=1 and TP=2 x PP=2 (its
-fingerprint, which covers the quantized storage, is the same), so are the losses (rel 1e-5); a stopped run
+fingerprint, which covers the quantized storage, is the same), so are the losses (rel 1e-5), with the distributed
+optimizer too; a stopped run
 resumes bit-exact; an adapter trained at TP=2 x PP=2 resumes at TP=1 with the same numbers; an adapter checkpoint
 is as small as without quantization; and resuming on a base held otherwise is one message naming the flag."""
 
@@ -52,6 +53,14 @@ def test_qlora_is_layout_independent_resumes_exactly_and_reshards(base: Path, tm
     peftckpt(["train", *common, "--load", str(one / "iter_0000002"), "--save", str(tmp_path / "again"),
               "--metrics-file", str(tmp_path / "again.jsonl")])
     assert _losses(tmp_path / "again.jsonl") == {3: straight[3], 4: straight[4]}
+    # 2b. two data-parallel ranks with the distributed optimizer (FSDP2 shards adapters and Adam; the NF4 base is
+    # held per rank), from the same checkpoint: the same numbers, the same quantized base
+    sharded = tmp_path / "sharded"
+    peftckpt(["train", *common, "--use-distributed-optimizer", "--load", str(one / "iter_0000002"), "--save",
+              str(sharded), "--metrics-file", str(tmp_path / "sharded.jsonl")], nproc=2)
+    _close(_losses(tmp_path / "sharded.jsonl"), {3: straight[3], 4: straight[4]})
+    assert read_manifest(sharded / "iter_0000004").base_fingerprint == \
+        read_manifest(one / "iter_0000004").base_fingerprint
     # 3. TP=2 x PP=2, stopped after iteration 2: the same quantized base, the same losses
     wide = tmp_path / "wide"
     peftckpt(["train", *common, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from peftckpt.checkpoint.storage.manifest import read_manifest
+from peftckpt.cli import main as peftckpt_main
 from peftckpt.interop.safetensors_io import SafetensorsFile, write_safetensors
 
 from .cli import env
@@ -83,19 +85,29 @@ def test_import_and_export_hf_stream(tmp_path: Path) -> None:
     assert all(torch.equal(back.read(k), original.read(k)) for k in original.tensors)  # streamed, and exact
 
 
-def test_qlora_quantizes_an_hf_base_as_it_reads_it(tmp_path: Path) -> None:
-    """``--base-quantization nf4`` from an HF directory quantizes each linear weight as soon as it is read and
-    releases its full-precision memory: a QLoRA run's peak stays far below the same run's without quantization,
-    which holds the whole base."""
+def test_qlora_quantizes_a_base_as_it_reads_it(tmp_path: Path) -> None:
+    """``--base-quantization nf4`` from an HF directory or a full-precision torch_dist base quantizes each linear
+    weight as soon as it is read and releases its full-precision memory, and a base stored in NF4 (``import-hf
+    --base-quantization nf4``) is read as stored: each QLoRA run's peak stays far below the same run's without
+    quantization, which holds the whole base, and all three train on the same quantized base (fingerprint)."""
     model_bytes = _write_hf(tmp_path / "hf")
+    peftckpt_main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "dist")])
+    peftckpt_main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "nf4"), "--base-quantization", "nf4"])
     h, f, v = CFG["hidden_size"], CFG["intermediate_size"], CFG["vocab_size"]
     linear_bytes = CFG["num_hidden_layers"] * (4 * h * h + 3 * f * h) * 4
-    run = ["train", "--pretrained-checkpoint", str(tmp_path / "hf"), "--lora-rank", "4", "--train-iters", "1",
-           "--mock-data", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
-           "--device", "cpu", "--no-progress", "--vocab-size", str(v)]
-    plain = _peak(run)
-    quantized = _peak([*run, "--base-quantization", "nf4"])
-    print(f"model {model_bytes} B (linear weights {linear_bytes} B); peak RSS rise: LoRA {plain} B, QLoRA {quantized} B")
+    run = ["train", "--lora-rank", "4", "--train-iters", "1", "--mock-data", "--seq-length", "16",
+           "--micro-batch-size", "2", "--global-batch-size", "2", "--device", "cpu", "--no-progress", "--vocab-size",
+           str(v), "--save-trainable-params-only"]
+    plain = _peak([*run, "--pretrained-checkpoint", str(tmp_path / "hf")])
     assert plain > linear_bytes  # the run without quantization holds the base
-    # NF4 keeps ~0.53 bytes of the 4 of each linear value; the rest: embeddings, one tensor in flight, activations
-    assert quantized < plain - 0.75 * linear_bytes, (quantized, plain, linear_bytes)
+    peaks, fingerprints = {}, set()
+    for base in ("hf", "dist", "nf4"):
+        save = tmp_path / f"lora-{base}"
+        peaks[base] = _peak([*run, "--pretrained-checkpoint", str(tmp_path / base), "--base-quantization", "nf4",
+                             "--save", str(save)])
+        fingerprints.add(read_manifest(save / "iter_0000001").base_fingerprint)
+    print(f"model {model_bytes} B (linear weights {linear_bytes} B); peak RSS rise: LoRA {plain} B, QLoRA {peaks}")
+    # NF4 keeps ~0.53 bytes of the 4 of each linear value; the rest: embeddings, a few tensors in flight, activations
+    for base, peak in peaks.items():
+        assert peak < plain - 0.75 * linear_bytes, (base, peak, plain, linear_bytes)
+    assert len(fingerprints) == 1, fingerprints

@@ -141,3 +141,42 @@ def test_export_hf_checks_the_quantized_base_and_merges_into_the_full_precision_
                        check=False)
     assert refused.returncode == 1 and "was trained on a different base" in refused.stderr, refused.stderr
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+
+
+def _eval(runs: dict[str, Path], base: Path, *extra: str, check: bool = True):  # type: ignore[no-untyped-def]
+    return peftckpt(["eval", "--pretrained-checkpoint", str(base), "--load", str(runs["lora"]), "--data-path",
+                     str(runs["data"]), "--seq-length", str(SEQ), "--micro-batch-size", "2", "--global-batch-size",
+                     "4", "--json", *extra], check=check)
+
+
+def test_a_base_imported_in_nf4_is_the_base_the_run_quantized(runs: dict[str, Path], tmp_path: Path) -> None:
+    """``import-hf --base-quantization nf4`` stores what a run quantizing the HF base holds: a quarter-size
+    torch_dist base that gives the same fingerprint (the adapter's load checks it) and the same loss; a run without
+    the flag is refused naming it; export-hf merges into the HF directory the base was imported from."""
+    stored, plain = tmp_path / "nf4", tmp_path / "plain"
+    peftckpt(["import-hf", str(runs["hf"]), str(stored), "--base-quantization", "nf4"])
+    peftckpt(["import-hf", str(runs["hf"]), str(plain)])
+    data = {d: sum(f.stat().st_size for f in (d / "iter_0000000").glob("*.distcp")) for d in (stored, plain)}
+    assert data[stored] < 0.5 * data[plain], data  # 4-bit linear weights; embeddings and norms as they were
+    assert read_manifest(stored / "iter_0000000").model_config["base_quantization"] == nf4.record()
+    # the adapter trained on the HF base, quantized while read, evaluates identically on the stored NF4 base
+    losses = [json.loads(_eval(runs, base, "--base-quantization", "nf4").stdout.strip().splitlines()[-1])["loss"]
+              for base in (runs["hf"], stored)]
+    assert losses[0] == losses[1], losses
+    refused = _eval(runs, stored, check=False)
+    said = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert refused.returncode == 1 and len(said) == 1 and "pass --base-quantization nf4" in said[0], refused.stderr
+    # export-hf merges into full-precision weights: those of the HF directory the NF4 base came from
+    for base, out in ((runs["hf"], "from-hf"), (stored, "from-nf4")):
+        done = peftckpt(["export-hf", str(runs["lora"]), str(tmp_path / out), "--base", str(base)])
+    assert "holds its linear weights in NF4: merging into the full-precision weights of" in done.stdout
+    merged = [(tmp_path / out / "model.safetensors").read_bytes() for out in ("from-hf", "from-nf4")]
+    assert merged[0] == merged[1]
+    # a geometry NF4 cannot hold is refused before anything is written
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "odd")
+    refused = peftckpt(["import-hf", str(tmp_path / "odd"), str(tmp_path / "odd-nf4"), "--base-quantization", "nf4"],
+                       check=False)
+    assert refused.returncode == 1 and "--base-quantization nf4:" in refused.stderr and "whole blocks of 64" \
+        in refused.stderr, refused.stderr
+    assert not (tmp_path / "odd-nf4").exists() or not any((tmp_path / "odd-nf4").iterdir())

@@ -157,14 +157,16 @@ class Checkpointer:
         return self._loads.load(path, options, model_only)
 
     @gc_paused
-    def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
+    def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
+                        then: Callable[[str], None] | None = None) -> LoadResult:
         """Load the base weights (model sections only) from a full checkpoint.
 
         Trainable parameters the base does not have (the adapters) keep their initial values; a *frozen*
-        parameter the base does not have is an error -- it would silently stay random.
+        parameter the base does not have is an error -- it would silently stay random. ``then(key)``, where
+        given, is called as in :meth:`load_base_tensors` (the base is then read a few tensors at a time).
         """
         self.wait()  # the in-flight async save may be writing the base from live memory
-        return self._loads.load_pretrained(path, options)
+        return self._loads.load_pretrained(path, options, then)
 
     def base_changed(self) -> None:
         """Say that the frozen parameters changed since they were loaded (quantized, say): the base fingerprint

@@ -9,6 +9,7 @@ are put back by :mod:`~peftckpt.checkpoint.load_objects`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -266,6 +267,11 @@ class Loads:
             problems = stored.read(request, None if fingerprinting is None else fingerprinting.add)
         except BaseException as e:  # noqa: BLE001 - reported collectively
             error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
+        self._finish_read(verification, problems, error)
+
+    def _finish_read(self, verification: _Verify, problems: list[str], error: BaseException | None) -> None:
+        """After a read: the damage it found and the checksums of :meth:`_resolve`, reported on every rank
+        (first: damage explains a failed read), then the read's own ``error`` (agreed)."""
         if verification.future is not None:
             try:
                 problems += verification.future.result()
@@ -273,6 +279,28 @@ class Loads:
                 problems.append(f"{getattr(e, 'filename', None) or verification.ckpt}: cannot be read to verify: {e}")
         self._raise_if_damaged(verification, problems, after_read=True)
         self.comm.agree(error)
+
+    def _read_then(self, request: dict[str, Any], stored: StoredCheckpoint, verification: _Verify,
+                   then: Callable[[str], None]) -> None:
+        """:meth:`_read` a few tensors at a time, calling ``then(key)`` (on every rank, in one order) once this
+        rank's pieces of ``key`` are in place, before the next tensors are read: what ``then`` releases (a
+        weight quantized, say) is never held whole. The base fingerprint is then taken from the model when needed."""
+        problems: list[str] = []
+        error: BaseException | None = None
+        for batch in _read_batches({k: v for k, v in stored.tensor_shapes.items() if k.startswith(MODEL + ".")}):
+            try:
+                problems = stored.read({k: request[k] for k in batch if k in request})
+            except BaseException as e:  # noqa: BLE001 - reported collectively
+                error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
+            if not self.comm.all_true(error is None):
+                break
+            for key in batch:
+                if key in request:
+                    request[key].pieces = []  # this load's last reference to the tensor: it may go now
+                then(key)
+        self._finish_read(verification, problems, error)
+        self.parts.fingerprints.clear()
+        self.base_fingerprint_wait_s = None
 
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
                           read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor],
@@ -332,20 +360,22 @@ class Loads:
         self.parts.fingerprints[FINGERPRINT_VERSION] = fingerprinting.result()
         self.base_fingerprint_wait_s = fingerprinting.wait_s
 
-    def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None) -> LoadResult:
+    def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
+                        then: Callable[[str], None] | None = None) -> LoadResult:
         """:meth:`~peftckpt.checkpoint.api.Checkpointer.load_pretrained`: the base from a full checkpoint (a
         frozen parameter it lacks is an error; trainable ones it lacks, the adapters, keep their values)."""
         options = options or LoadOptions()
         try:
             with self._located(path, options) as (local, located_options, url):
-                result = self._load_pretrained(local, located_options)
+                result = self._load_pretrained(local, located_options, then)
         except Exception as e:
             # No earlier checkpoint is offered: an earlier base is another base (its fingerprint differs).
             explain_damage(self.comm, e, path, search_earlier=False)
             raise
         return result if url is None else replace(result, path=url)
 
-    def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions) -> LoadResult:
+    def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions,
+                         then: Callable[[str], None] | None) -> LoadResult:
         """:meth:`load_pretrained` of a local checkpoint."""
         ckpt, _, manifest, verification = self._resolve(path, options)
         if not manifest.holds_every_weight:
@@ -370,7 +400,30 @@ class Loads:
         self.comm.agree(error)
         for k in absent:
             request.pop(k)
-        with self._fingerprinting_base(request) as fingerprinting:
-            self._read(request, stored, verification, fingerprinting)
+        if then is None:
+            with self._fingerprinting_base(request) as fingerprinting:
+                self._read(request, stored, verification, fingerprinting)
+        else:
+            self._read_then(request, stored, verification, then)
         return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))
 
+
+_BATCH_ELEMENTS = 1 << 24
+"""Elements of the global tensors one read of :meth:`Loads._read_then` covers, 16 M (64 MB in fp32; a larger
+tensor is read alone): what is held in full precision at once, against one read call per batch."""
+
+
+def _read_batches(shapes: Mapping[str, Sequence[int] | None]) -> Iterator[list[str]]:
+    """The stored tensors in key order, cut into consecutive batches of about :data:`_BATCH_ELEMENTS` (the same
+    batches on every rank: they come from the checkpoint's metadata)."""
+    batch: list[str] = []
+    size = 0
+    for key in sorted(k for k, shape in shapes.items() if shape is not None):
+        n = math.prod(shapes[key] or ())
+        if batch and size + n > _BATCH_ELEMENTS:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += n
+    if batch:
+        yield batch

@@ -76,8 +76,13 @@ def import_hf_main(argv: Sequence[str]) -> int:
                 "architecture from it.", "HF_DIR", checksums=False)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="store the base in this dtype (default: each tensor's dtype in the HF files)")
+    p.add_argument("--base-quantization", choices=["none", "nf4"], default="none",
+                   help="nf4: store the linear weights in 4-bit NormalFloat, quantized as they are written (exactly "
+                   "what train --base-quantization nf4 makes of the full-precision base; a quarter of its size), "
+                   "for train --base-quantization nf4")
     return _run("import-hf", p, argv, lambda a, ops: (
-        f"imported {a.hf_dir} -> {ops.import_hf(a.hf_dir, a.out, _dtype(a.dtype) if a.dtype else None)}"))
+        f"imported {a.hf_dir} -> "
+        f"{ops.import_hf(a.hf_dir, a.out, _dtype(a.dtype) if a.dtype else None, a.base_quantization)}"))
 
 
 def import_peft_main(argv: Sequence[str]) -> int:

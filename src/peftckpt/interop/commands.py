@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.api import Checkpointer, SaveOptions
+from ..checkpoint.checks.load_checks import QUANTIZATION_KEY
 from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
 from ..checkpoint.location.directory import Directory
 from ..checkpoint.location.locate import locate, manifest_at
@@ -30,8 +31,10 @@ from ..checkpoint.tools.offline import (
     lazy_fingerprint,
     open_checkpoint,
 )
+from ..model import nf4
 from ..model.config import GPTConfig, LoRAConfig
 from ..model.gpt import GPTModel
+from ..model.linear import ParallelLinear
 from ..model.lora import apply_lora
 from ..sharding.entries import GlobalTensor, LazyGlobalTensor, global_tensor_of
 from .architecture import checked_manifest
@@ -86,28 +89,49 @@ def _checkpoint_output(path: str | os.PathLike[str]) -> Iterator[Path | str]:
         yield out
 
 
-def import_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], dtype: torch.dtype | None = None
-              ) -> Path | str:
+def import_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], dtype: torch.dtype | None = None,
+              base_quantization: str = "none") -> Path | str:
     """HF Llama directory -> a full ``torch_dist`` base checkpoint (iteration 0) in the save directory ``out``.
 
     Streams: the directory is validated from its headers first, then each of our tensors is assembled from
-    the HF bytes as it is written, in the HF files' dtype (or ``dtype``); peak memory is a few tensors."""
+    the HF bytes as it is written, in the HF files' dtype (or ``dtype``); peak memory is a few tensors.
+    ``base_quantization="nf4"``: the linear weights are stored as their NF4 parts (each quantized, after the cast
+    to ``dtype``, as it is written), exactly what a QLoRA run quantizing the full-precision base holds
+    (:mod:`~peftckpt.model.nf4` does not depend on the layout), for ``train --base-quantization nf4``."""
     hf = HFModelDir(hf_dir)
+    model_config = hf.config.to_dict()
+    source: HFModelDir | NF4Base = hf
+    if base_quantization == "nf4":
+        source = NF4Base(hf, _nf4_linears(hf), dtype)
+        model_config[QUANTIZATION_KEY] = nf4.record()
     with _checkpoint_output(out) as out_dir:
-        entries = {name: LazyGlobalTensor(shape, dtype or src, functools.partial(_read_as, hf, name, dtype))
-                   for name, (shape, src) in hf.ours.items()}
+        entries = {name: LazyGlobalTensor(shape, held if NF4Base.is_part(name) else dtype or held,
+                                          functools.partial(_read_as, source, name, dtype))
+                   for name, (shape, held) in source.model_shapes().items()}
         args = {"source": "import-hf", "hf_dir": str(Path(hf_dir).absolute())}
-        ckpt = Checkpointer([_StreamedChunk(entries)], None, layout=_SINGLE, coords=_COORDS,
-                            model_config=hf.config.to_dict())
+        ckpt = Checkpointer([_StreamedChunk(entries)], None, layout=_SINGLE, coords=_COORDS, model_config=model_config)
         try:
             return ckpt.save(out_dir, 0, {}, SaveOptions(save_optim=False, save_rng=False), args=args)
         finally:
             ckpt.close()
 
 
-def _read_as(hf: HFModelDir, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    t = hf.read(name)
-    return t if dtype is None else t.to(dtype)
+def _nf4_linears(hf: HFModelDir) -> list[str]:
+    """The weights a QLoRA run holds in NF4 (every linear layer's; not the embeddings, norms or output layer), each
+    checked to be whole NF4 blocks (refused, naming the flag, before anything is written)."""
+    model = GPTModel(hf.config, None, device="meta")
+    linears = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, ParallelLinear)]
+    for name in linears:
+        columns = hf.ours[name][0][1]
+        problem = nf4.shard_problem(columns, 0, columns)
+        if problem is not None:
+            raise InteropError(f"--base-quantization nf4: {hf.path} {name}: {problem}; nothing was written")
+    return linears
+
+
+def _read_as(source: HFModelDir | NF4Base, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    t = source.model_tensors([name])[name]
+    return t if dtype is None or NF4Base.is_part(name) else t.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------- import-peft
@@ -238,6 +262,23 @@ def _base_path(ckpt: OfflineCheckpoint, base: str | os.PathLike[str] | None) -> 
     return str(recorded)
 
 
+def _full_precision(base: HFModelDir | OfflineCheckpoint, report: list[str] | None) -> HFModelDir | OfflineCheckpoint:
+    """``--base`` with its linear weights in full precision, to merge into: a base stored in NF4 (``import-hf
+    --base-quantization nf4``) is replaced by the HF directory it was imported from (which the fingerprint check
+    then quantizes), or refused."""
+    if isinstance(base, HFModelDir) or not is_nf4(base.manifest.model_config):
+        return base
+    args = base.manifest.args or {}
+    hf_dir = args.get("hf_dir") if args.get("source") == "import-hf" else None
+    if not isinstance(hf_dir, str) or not is_hf_dir(hf_dir):
+        raise InteropError(f"--base {base.where} holds its linear weights in NF4 only, and export-hf merges the "
+                           "adapter into full-precision weights: pass the HF directory it was imported from as --base")
+    if report is not None:
+        report.append(f"--base {base.where} holds its linear weights in NF4: merging into the full-precision weights "
+                      f"of {hf_dir}, which it was imported from")
+    return HFModelDir(hf_dir)
+
+
 def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], base: str | os.PathLike[str] | None = None,
               verify_base: bool = True, verify_checksums: bool = True,
               dtype: torch.dtype = torch.float32, report: list[str] | None = None) -> Path:
@@ -255,7 +296,7 @@ def export_hf(ckpt_path: str | os.PathLike[str], out: str | os.PathLike[str], ba
     qlora = is_nf4(ckpt.manifest.model_config)
     quantized: NF4Base | None = None  # the base as the adapter saw it, once its fingerprint was checked
     if not ckpt.manifest.holds_every_weight:
-        base_src = _open_base(_base_path(ckpt, base), verify_checksums)
+        base_src = _full_precision(_open_base(_base_path(ckpt, base), verify_checksums), report)
         if verify_base and ckpt.manifest.base_fingerprint:
             frozen = [k.removeprefix("model.") for k in ckpt.manifest.excluded_keys]
             version = fingerprint_version(ckpt.manifest.base_fingerprint)

@@ -35,13 +35,20 @@ class NF4Base:
     """``source`` with the linear weights ``linears`` (names ending in ``.weight``) served as their NF4 parts,
     each quantized when one of its parts is first read (the last one kept, so its three parts cost one read)."""
 
-    def __init__(self, source: TensorSource, linears: list[str]):
+    def __init__(self, source: TensorSource, linears: list[str], dtype: torch.dtype | None = None):
         self.source = source
+        self.dtype = dtype
+        """Each weight is cast to this dtype before it is quantized (``None``: as the source holds it)."""
         self.path: Path = source.path
         self.linears = set(linears)
         self._last: tuple[str, nf4.NF4Weight] | None = None
         self.error = [0.0, 0.0]
         """``|W - NF4(W)|^2`` and ``|W|^2`` summed over the weights quantized so far."""
+
+    @staticmethod
+    def is_part(name: str) -> bool:
+        """Whether ``name`` is one of the NF4 parts of a quantized weight."""
+        return name.rsplit(".", 1)[-1] in _PARTS
 
     def model_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         shapes = dict(self.source.model_shapes())
@@ -55,7 +62,7 @@ class NF4Base:
     def model_tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         names = list(self.model_shapes()) if names is None else names
         out: dict[str, torch.Tensor] = {}
-        plain = [n for n in names if n.rsplit(".", 1)[-1] not in _PARTS]
+        plain = [n for n in names if not self.is_part(n)]
         if plain:
             out.update(self.source.model_tensors(plain))
         for name in names:
@@ -67,6 +74,8 @@ class NF4Base:
     def _quantized(self, weight: str) -> nf4.NF4Weight:
         if self._last is None or self._last[0] != weight:
             w = self.source.model_tensors([weight])[weight]
+            if self.dtype is not None:
+                w = w.to(self.dtype)
             q = nf4.quantize(w, w.shape[1])
             self._last = (weight, q)
             w = w.float()

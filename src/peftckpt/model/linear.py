@@ -267,12 +267,7 @@ class ParallelLinear(nn.Module):
         dtype. Raises ``ValueError`` when the weight trains or its TP shards cut NF4's blocks or groups."""
         if self.nf4 is not None:
             return
-        if self.weight.requires_grad or self.merged:
-            raise ValueError("only a frozen, unmerged base weight can be held in NF4")
-        w = local_tensor(self.weight)
-        columns = self.in_features
-        split = self.shard_dim == 1 and self.tp.size > 1
-        start = self.tp.rank * (columns // self.tp.size) if split else 0
+        columns, start, split = self._nf4_columns()
         groups, per = nf4.groups_of(columns)
         group_max = None
         if split:
@@ -284,7 +279,31 @@ class ParallelLinear(nn.Module):
                 dist.all_reduce(whole, op=dist.ReduceOp.MAX, group=self.tp.group)
                 return whole[:, first:first + local.shape[1]]
 
-        q = nf4.quantize(w, columns, start, group_max)
+        self._hold_nf4(nf4.quantize(local_tensor(self.weight), columns, start, group_max))
+
+    def hold_nf4(self) -> None:
+        """Hold the base weight in NF4 from now on, without quantizing it: ``weight_nf4``, ``weight_scales`` and
+        ``weight_factors`` as :meth:`quantize_nf4` makes them, uninitialised, for a load of a base stored in NF4
+        to fill (``import-hf --base-quantization nf4``). Raises ``ValueError`` as :meth:`quantize_nf4` does."""
+        if self.nf4 is not None:
+            return
+        columns, start, _ = self._nf4_columns()
+        w = local_tensor(self.weight)
+        self._hold_nf4(nf4.empty_shard(w.shape[0], w.shape[1], columns, start, w.device))
+
+    def _nf4_columns(self) -> tuple[int, int, bool]:
+        """``(global columns, this shard's first column, whether TP splits the columns)`` of a weight that can be
+        held in NF4."""
+        if self.weight.requires_grad or self.merged:
+            raise ValueError("only a frozen, unmerged base weight can be held in NF4")
+        split = self.shard_dim == 1 and self.tp.size > 1
+        start = self.tp.rank * (self.in_features // self.tp.size) if split else 0
+        return self.in_features, start, split
+
+    def _hold_nf4(self, q: nf4.NF4Weight) -> None:
+        """Replace ``weight`` by the parts of ``q`` (this rank's shard), declared sharded like it."""
+        columns, _, split = self._nf4_columns()
+        groups, _ = nf4.groups_of(columns)
         factors_dim: int | None = 0 if self.shard_dim == 0 else None
         if split and groups > 1:
             if q.factors.shape[1] * self.tp.size != groups:
@@ -292,7 +311,7 @@ class ParallelLinear(nn.Module):
                                  f"split over {self.tp.size} tensor-parallel ranks")
             factors_dim = 1
         shapes = nf4.stored_shapes((self.out_features, columns))
-        dtype = w.dtype
+        dtype = self.weight.dtype
         del self.weight  # its memory goes with the last reference (a load reading tensor by tensor drops its own)
         for name, local, dim in (("weight_nf4", q.codes, self.shard_dim), ("weight_scales", q.scales, self.shard_dim),
                                  ("weight_factors", q.factors, factors_dim)):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NF4_VALUES", "BLOCK", "GROUP_BLOCKS", "NF4Weight", "quantize", "dequantize", "groups_of", "record",
+__all__ = ["NF4_VALUES", "BLOCK", "GROUP_BLOCKS", "NF4Weight", "quantize", "empty_shard", "dequantize", "groups_of", "record",
            "stored_shapes", "shard_problem", "nf4_linear"]
 
 NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -138,6 +138,21 @@ def quantize(w: torch.Tensor, columns: int, start: int = 0,
         idx = torch.bucketize(normed, midpoints).to(torch.uint8).reshape(-1, width)
         codes[r:r + step] = idx[:, 0::2] | (idx[:, 1::2] << 4)
     return NF4Weight(codes, scale_codes.to(torch.uint8), factors, first_block, per)
+
+
+def empty_shard(rows: int, width: int, columns: int, start: int = 0,
+                device: torch.device | str | None = None) -> NF4Weight:
+    """An uninitialised quantized shard of the geometry :func:`quantize` gives ``w`` (``[rows, width]``, columns
+    ``start..`` of ``columns``): what a load of a base stored in NF4 fills."""
+    problem = shard_problem(columns, start, width)
+    if problem is not None:
+        raise ValueError(problem)
+    _, per = groups_of(columns)
+    first_block, blocks = start // BLOCK, width // BLOCK
+    local_groups = (first_block + blocks - 1) // per - first_block // per + 1
+    return NF4Weight(torch.empty(rows, width // 2, dtype=torch.uint8, device=device),
+                     torch.empty(rows, blocks, dtype=torch.uint8, device=device),
+                     torch.empty(rows, local_groups, dtype=torch.float32, device=device), first_block, per)
 
 
 def _rows_at_a_time(width: int) -> int:

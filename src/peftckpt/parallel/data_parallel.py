@@ -34,14 +34,16 @@ def allreduce_gradients(params: Iterable[nn.Parameter], dp_group: dist.ProcessGr
 
 
 def shard_for_distributed_optimizer(chunks: Sequence[nn.Module], dp_mesh: DeviceMesh,
-                                    layer_type: type[nn.Module]) -> None:
+                                    layer_type: type[nn.Module], kept_whole: set[nn.Parameter] | None = None) -> None:
     """FSDP2 over DP: parameters, gradients and optimizer state are sharded; frozen parameters are sharded
-    too (they need no gradient, so a frozen base costs 1/dp of its memory per rank)."""
+    too (they need no gradient, so a frozen base costs 1/dp of its memory per rank), except ``kept_whole``:
+    frozen parameters FSDP leaves alone (each DP rank holds them as without it), such as base weights that are
+    replaced by their NF4 codes once loaded (a module FSDP manages may not swap its parameters)."""
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, layer_type):
-                fully_shard(module, mesh=dp_mesh)
-        fully_shard(chunk, mesh=dp_mesh)
+                fully_shard(module, mesh=dp_mesh, ignored_params=kept_whole)
+        fully_shard(chunk, mesh=dp_mesh, ignored_params=kept_whole)
 
 
 def _replicas(t: torch.Tensor, ranks_per_stage: int) -> int:

@@ -351,8 +351,6 @@ def _check_base_quantization(args: argparse.Namespace, cfg: GPTConfig, tp: int) 
     if args.lora_rank <= 0:
         raise ArgumentError("--base-quantization nf4 holds the frozen base in 4 bits; with --lora-rank 0 nothing is "
                             "frozen: fine-tune with --lora-rank > 0")
-    if args.use_distributed_optimizer:
-        raise ArgumentError("--base-quantization nf4 does not work with --use-distributed-optimizer yet")
     from ..model import nf4
 
     heads = cfg.num_attention_heads * cfg.head_dim

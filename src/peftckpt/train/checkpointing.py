@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.api import Checkpointer, LoadOptions, SaveOptions
+from ..checkpoint.checks.load_checks import QUANTIZATION_KEY
 from ..checkpoint.checks.strictness import StrictHandling
 from ..checkpoint.errors import (
     CheckpointError,
@@ -63,17 +64,18 @@ class TrainingRun(Protocol):
     def reseed(self, iteration: int) -> None: ...
     def checkpoint_config(self) -> dict[str, Any]: ...
     def quantize_base(self) -> int | None: ...
+    def hold_base_in_nf4(self) -> None: ...
     def base_quantizer(self) -> Callable[[str], None] | None: ...
 
 
 def load_base(ckpt: Checkpointer, path: str, options: LoadOptions, then: Callable[[str], None] | None = None) -> str:
     """Load ``--pretrained-checkpoint`` into the model (collective): a torch_dist checkpoint, or an HF Llama
-    directory read per rank (each rank reads only the bytes of its own pieces; ``then(key)`` after each tensor,
-    see :meth:`Checkpointer.load_base_tensors`). Returns what was loaded."""
+    directory read per rank (each rank reads only the bytes of its own pieces); ``then(key)`` after each tensor,
+    see :meth:`Checkpointer.load_base_tensors`. Returns what was loaded."""
     from ..interop import HFModelDir, InteropError, is_hf_dir
 
     if not is_hf_dir(path):
-        return str(ckpt.load_pretrained(path, options).path)
+        return str(ckpt.load_pretrained(path, options, then).path)
     try:
         hf = HFModelDir(path)
     except InteropError as e:
@@ -99,6 +101,8 @@ class TrainerCheckpointing:
             adapter_config=None if trainer.lora is None else trainer.lora.to_dict(),
         )
         self.last_saved: int | None = None
+        self.base_stored_in_nf4 = False
+        """Whether ``--pretrained-checkpoint`` holds its linear weights in NF4 (read as stored, not quantized)."""
         # An async save copies what training updates during the next forward/backward; the optimizer step
         # waits for that copy (at once when it is done, or when no save is in flight).
         trainer.before_optimizer_step = self.ckpt.snapshot_fence
@@ -133,14 +137,49 @@ class TrainerCheckpointing:
             refused.every_rank = True
             raise refused
 
+    def load_base(self, path: str, options: LoadOptions) -> str:
+        """Load ``--pretrained-checkpoint`` ``path`` (collective; :func:`load_base`) held as ``--base-quantization``
+        says: a full-precision base (an HF directory or a torch_dist checkpoint) quantized tensor by tensor as it
+        is read, one stored in NF4 read as it is stored. Returns what was loaded."""
+        t = self.trainer
+        self.base_stored_in_nf4 = self._base_stored_in_nf4(path)
+        if self.base_stored_in_nf4:
+            t.hold_base_in_nf4()  # the load fills the NF4 parts
+        return load_base(self.ckpt, path, options, None if self.base_stored_in_nf4 else t.base_quantizer())
+
+    def _base_stored_in_nf4(self, path: str) -> bool:
+        """Whether ``--pretrained-checkpoint`` is a torch_dist base that holds its linear weights in NF4 (made by
+        ``import-hf --base-quantization nf4``); refused, on every rank, unless this run holds its base that way."""
+        from ..interop import is_hf_dir
+        from ..interop.nf4_base import is_nf4
+
+        if is_hf_dir(path):
+            return False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                stored = manifest_at(path).model_config
+        except CheckpointError:
+            return False  # the load itself says what is wrong with it
+        if not is_nf4(stored):
+            return False
+        held = self.trainer.checkpoint_config().get(QUANTIZATION_KEY)
+        if held != stored[QUANTIZATION_KEY]:
+            refused = CheckpointMismatchError(
+                f"--pretrained-checkpoint {path} holds its linear weights in NF4 ({stored[QUANTIZATION_KEY]}, made "
+                f"by import-hf --base-quantization nf4); this run holds them "
+                f"{'in full precision' if held is None else held}: pass --base-quantization nf4, or use the "
+                "full-precision base")
+            refused.every_rank = True
+            raise refused
+        return True
+
     def restore(self) -> None:
         """``--pretrained-checkpoint`` (model only), then ``--load`` (everything the flags allow)."""
         a, t = self.args, self.trainer
         if a.pretrained_checkpoint:
             start = time.perf_counter()
-            # an HF base quantized tensor by tensor as it is read (a torch_dist one after it is loaded)
-            where = load_base(self.ckpt, a.pretrained_checkpoint, self._load_options(model_only=True),
-                              t.base_quantizer())
+            where = self.load_base(a.pretrained_checkpoint, self._load_options(model_only=True))
             t.logger.info(f"loaded base weights from {where} in {time.perf_counter() - start:.2f} s (trainable "
                           "tensors it does not hold, such as adapters, keep their initialisation)")
             if self.ckpt.base_fingerprint_wait_s is not None:
@@ -185,9 +224,12 @@ class TrainerCheckpointing:
         now = self.trainer.quantize_base()
         if now is None:
             return
-        self.ckpt.base_changed()
-        self.trainer.logger.info(f"{now} linear weights quantized to NF4 in {time.perf_counter() - start:.2f} s" if now
-                                 else "base linear weights quantized to NF4 as they were read")
+        if now:
+            self.ckpt.base_changed()
+        said = (f"{now} linear weights quantized to NF4 in {time.perf_counter() - start:.2f} s" if now else
+                "base linear weights read in NF4, as stored" if self.base_stored_in_nf4 else
+                "base linear weights quantized to NF4 as they were read")
+        self.trainer.logger.info(said)
 
     def objects(self) -> dict[str, Any]:
         t = self.trainer

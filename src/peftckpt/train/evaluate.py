@@ -32,7 +32,7 @@ __all__ = ["evaluate", "eval_main"]
 def evaluate(args: argparse.Namespace, world_size: int, rank: int) -> dict[str, Any]:
     """Steps 1-3 of the module docstring; returns the JSON report (on every rank)."""
     from ..checkpoint.api import LoadOptions
-    from .checkpointing import TrainerCheckpointing, load_base
+    from .checkpointing import TrainerCheckpointing
     from .trainer import Trainer
 
     args.eval_fraction = 0.0
@@ -42,8 +42,8 @@ def evaluate(args: argparse.Namespace, world_size: int, rank: int) -> dict[str, 
     loaded: dict[str, str] = {}
     verify = not args.no_verify_checksums
     if args.pretrained_checkpoint:
-        loaded["pretrained_checkpoint"] = load_base(ckpt, args.pretrained_checkpoint,
-                                                    LoadOptions(verify_checksums=verify), trainer.base_quantizer())
+        loaded["pretrained_checkpoint"] = checkpointing.load_base(args.pretrained_checkpoint,
+                                                                  LoadOptions(verify_checksums=verify))
     checkpointing.quantize_base()
     if args.load:
         res = ckpt.load(args.load, LoadOptions(load_optim=False, load_rng=False, verify_checksums=verify,

@@ -103,7 +103,10 @@ class Trainer:
         self.fsdp = args.use_distributed_optimizer and self.dims.dp > 1
         if self.fsdp:
             assert self.meshes.dp_mesh is not None
-            shard_for_distributed_optimizer(self.chunks, self.meshes.dp_mesh, TransformerLayer)
+            # an NF4 base is held per TP shard on every DP rank (FSDP shards adapters, Adam and the rest)
+            quantized = ({m.weight for m in self._linears().values() if not m.weight.requires_grad}
+                         if self.base_quantization == "nf4" else None)
+            shard_for_distributed_optimizer(self.chunks, self.meshes.dp_mesh, TransformerLayer, quantized)
             # FSDP2 replaced the parameters by sharded ones: look them up again.
             self.named_trainable = [(n, p) for c in self.chunks for n, p in c.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_trainable]
@@ -160,6 +163,13 @@ class Trainer:
         for module in todo:
             module.quantize_nf4()
         return len(todo)
+
+    def hold_base_in_nf4(self) -> None:
+        """For a base stored in NF4 (``import-hf --base-quantization nf4``): hold the frozen linear weights as
+        their (uninitialised) NF4 parts, which the base's load then fills."""
+        for module in self._linears().values():
+            if not module.weight.requires_grad:
+                module.hold_nf4()
 
     def base_quantizer(self) -> Callable[[str], None] | None:
         """For a base load that reads tensor by tensor: quantize each linear weight as soon as it is in place
