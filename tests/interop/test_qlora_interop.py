@@ -124,8 +124,9 @@ def test_eval_with_an_nf4_base_equals_peft_on_the_dequantized_base(runs: dict[st
 
 def test_export_hf_checks_the_quantized_base_and_merges_into_the_full_precision_one(runs: dict[str, Path],
                                                                                     tmp_path: Path) -> None:
-    done = peftckpt(["export-hf", str(runs["lora"]), str(tmp_path / "merged"), "--base", str(runs["hf"])])
-    note = done.stdout.strip().splitlines()[-1]
+    done = peftckpt(["export-hf", str(runs["lora"]), str(tmp_path / "merged"), "--base", str(runs["hf"]),
+                     "--eval-data", str(runs["data"])])
+    note, evaluated = done.stdout.strip().splitlines()[-2:]
     assert note.startswith("the adapter was trained on the base held in NF4 and is merged into its full-precision "
                            "weights, which differ from the NF4 values by ")
     assert 3.0 < float(note.split(" by ")[1].split(" %")[0]) < 15.0  # NF4's error on normal weights (~9 %)
@@ -134,6 +135,15 @@ def test_export_hf_checks_the_quantized_base_and_merges_into_the_full_precision_
     toks = tokens(seed=6)
     with torch.no_grad():
         torch.testing.assert_close(merged(toks).logits, reference.merge_and_unload()(toks).logits, rtol=0, atol=2e-5)
+    # --eval-data: the loss of the model as trained (NF4 base + adapter, as `eval` computes it and as PEFT does on
+    # the dequantized base) beside the merged model's (as HF computes it)
+    assert evaluated.startswith(f"eval loss on {runs['data']} (")
+    trained, after = (float(evaluated.split(label)[1].split()[0].rstrip(",")) for label in
+                      ("the model as trained (base in NF4) ", ", merged "))
+    as_trained = PeftModel.from_pretrained(_dequantized_hf(runs, _ours(runs)), runs["peft"]).eval()
+    assert trained == pytest.approx(hf_loss(as_trained, samples(runs["data"])), rel=1e-5)
+    assert after == pytest.approx(hf_loss(merged, samples(runs["data"])), rel=1e-5)
+    assert trained != after  # the merge into the full-precision weights changed the model
     # the fingerprint is of the quantized base: another base, quantized here, is not it
     other = LlamaForCausalLM(LlamaConfig(**{**merged.config.to_dict(), "torch_dtype": None}))
     other.save_pretrained(tmp_path / "other")

@@ -9,6 +9,7 @@ import argparse
 import json
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..checkpoint.errors import CheckpointError
@@ -118,14 +119,37 @@ def export_hf_main(argv: Sequence[str]) -> int:
                    "Llama directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--no-verify-base", action="store_true", help="merge even if the base fingerprint differs")
+    p.add_argument("--eval-data", default=None, type=local_path, metavar="FILE",
+                   help="then evaluate the model as trained (a QLoRA adapter on its NF4 base) and the merged export "
+                   "on FILE (a --data-path file of train), in this process, and report how far their losses are")
+    p.add_argument("--eval-seq-length", type=int, default=None, metavar="N",
+                   help="sample length of --eval-data (default: the --seq-length the checkpoint was trained with)")
 
     def export(a: Any, ops: Any) -> str:
+        if a.eval_data and not Path(a.eval_data).is_file():
+            from ..interop.hf_llama import InteropError
+
+            raise InteropError(f"--eval-data {a.eval_data} is not a file; nothing was written")
         notes: list[str] = []
         out = ops.export_hf(a.ckpt, a.out, a.base, not a.no_verify_base, not a.no_verify_checksums, _dtype(a.dtype),
                             report=notes)
+        if a.eval_data:
+            notes.append(_eval_note(a, out))
         return "\n".join([f"exported {out}", *notes])
 
     return _run("export-hf", p, argv, export)
+
+
+def _eval_note(a: Any, out: Any) -> str:
+    """``--eval-data``: the losses of the trained and the merged model (:mod:`peftckpt.cli.merge_eval`); an
+    evaluation the flags do not allow is said, the export kept."""
+    from ..train.args import ArgumentError
+    from .merge_eval import eval_report
+
+    try:
+        return eval_report(a.ckpt, a.base, out, a.eval_data, a.eval_seq_length)
+    except (ArgumentError, CheckpointError) as e:
+        return f"exported, but not evaluated: {e}"
 
 
 def _dtype(name: str) -> Any:
