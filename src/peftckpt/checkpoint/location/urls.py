@@ -21,8 +21,13 @@ __all__ = ["SCHEME_PACKAGES", "is_url", "url_problem", "local_only_problem", "pa
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
-SCHEME_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+SCHEME_PACKAGES = {"s3": "s3fs", "s3a": "s3fs"}
 """The package that gives fsspec each object-store scheme peftckpt admits (the ``s3`` extra brings s3fs)."""
+
+UNTESTED_SCHEMES = {"gs": "Google Cloud Storage", "gcs": "Google Cloud Storage", "az": "Azure Blob Storage",
+                    "abfs": "Azure Blob Storage", "abfss": "Azure Blob Storage"}
+"""Object stores fsspec could reach, refused until peftckpt's commit protocol has run against them (its
+guarantees rest on each store's semantics: conditional writes, read-after-write, listing)."""
 
 
 def is_url(value: object) -> bool:
@@ -43,9 +48,13 @@ def url_problem(value: object) -> str | None:
         if parts.netloc not in ("", "localhost"):
             return "is a file:// URL with a host; use file:///absolute/path"
         return None
+    if scheme in UNTESTED_SCHEMES:
+        return (f"is on {UNTESTED_SCHEMES[scheme]} ({scheme}://), which peftckpt does not support yet: its commit "
+                "protocol has run only against S3 (s3://, or an S3-compatible server through AWS_ENDPOINT_URL); use "
+                "one of those, or a local or mounted path")
     if scheme not in SCHEME_PACKAGES:
         return (f"has scheme {scheme}://, which peftckpt does not store checkpoints on (supported: "
-                f"{', '.join(s + '://' for s in ('s3', 'gs', 'az', 'file'))}, or a local path)")
+                f"{', '.join(s + '://' for s in ('s3', 'file'))}, or a local path)")
     package = SCHEME_PACKAGES[scheme]
     if importlib.util.find_spec(package) is None:
         extra = " (pip install s3fs, or the s3 extra: pip install '.[s3]' in a peftckpt checkout)" \
