@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 BUCKET = "peftckpt-test"
 
@@ -24,6 +27,32 @@ class S3Server:
     env: dict[str, str]
     """The AWS variables a client needs (credentials, region, endpoint), a node-local cache directory, and a short
     run-lock lease (2 s: a rerun after a killed run takes the location over after 1 s)."""
+    recording: Path | None = None
+
+    def record(self) -> None:
+        """Start counting requests from now (the server's recorder, emptied; needs ``recording``)."""
+        assert self.recording is not None, "start the server with a recording file"
+        for action in ("reset-recording", "start-recording"):
+            urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/recorder/{action}",
+                                                          method="POST"), timeout=10).close()
+
+    def requests(self) -> Counter[str]:
+        """The requests served since :meth:`record`, by S3 operation: ``LIST``, ``HEAD``, ``GET`` (ranged or
+        not), ``PUT`` (objects, parts and copies), ``POST`` (multipart uploads, batch deletes), ``DELETE``."""
+        assert self.recording is not None
+        counts: Counter[str] = Counter()
+        if not self.recording.exists():
+            return counts
+        for line in self.recording.read_text().splitlines():
+            entry = json.loads(line)
+            parts = urlsplit(entry["url"])
+            query = parse_qs(parts.query, keep_blank_values=True)
+            on_bucket = parts.path.strip("/").count("/") == 0
+            method = entry["method"]
+            listing = method == "GET" and on_bucket and ("list-type" in query or "prefix" in query
+                                                         or "delimiter" in query or not query)
+            counts["LIST" if listing else method] += 1
+        return counts
 
     def fs(self) -> Any:
         import s3fs
@@ -65,11 +94,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_moto(port: int, detached: bool = False) -> subprocess.Popen[bytes]:
+def launch_moto(port: int, detached: bool = False, recording: Path | None = None) -> subprocess.Popen[bytes]:
     """Start moto's S3 server on 127.0.0.1:``port`` and return once it serves (``detached``: in a session of its
-    own, outliving this process). Raises ``RuntimeError`` if it does not come up."""
+    own, outliving this process; ``recording``: the file where moto's recorder logs each request once started,
+    see :meth:`S3Server.requests`). Raises ``RuntimeError`` if it does not come up."""
+    env = {**os.environ, "MOTO_RECORDER_FILEPATH": str(recording)} if recording is not None else None
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=detached)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=detached, env=env)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -84,16 +115,17 @@ def launch_moto(port: int, detached: bool = False) -> subprocess.Popen[bytes]:
 
 
 @contextmanager
-def s3_server(cache: Path) -> Iterator[S3Server]:
-    """Start moto's S3 server on a free port, create the test bucket, yield it; stop it afterwards."""
+def s3_server(cache: Path, recording: Path | None = None) -> Iterator[S3Server]:
+    """Start moto's S3 server on a free port, create the test bucket, yield it; stop it afterwards.
+    ``recording``: a file for :meth:`S3Server.requests` (the server can then count the requests it serves)."""
     port = _free_port()
-    proc = launch_moto(port)
+    proc = launch_moto(port, recording=recording)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_ENDPOINT_URL": endpoint, "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull,
                "PEFTCKPT_CACHE_DIR": str(cache), "PEFTCKPT_STORE_LEASE_S": "2"}
-        server = S3Server(endpoint, env)
+        server = S3Server(endpoint, env, recording)
         server.fs().mkdir(BUCKET)
         yield server
     finally:

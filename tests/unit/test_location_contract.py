@@ -239,10 +239,15 @@ def test_two_names_for_one_iteration_are_refused_and_nothing_is_deleted(where: s
     _leave_uncommitted(loc, 7)
     before = loc.names()
     said = "iter_00000002 and iter_0000002 both name iteration 2"
-    for act in (lambda: protocol.resolve(loc), lambda: protocol.list_committed(loc), lambda: protocol.clean(loc),
+    for act in (lambda: protocol.list_committed(loc), lambda: protocol.clean(loc),
                 lambda: protocol.apply_retention(loc, 1), lambda: ckpt.save(where, 3)):
         with pytest.raises(CheckpointError, match=said):
             act()
+    # a load of the checkpoint the tracker names, by the name a save writes, is no guess (and lists nothing)
+    assert protocol.resolve(loc) == ("iter_0000002", 2)
+    loc.write_atomic("latest_checkpointed_iteration.txt", b"7")
+    with pytest.raises(CheckpointError, match=said):  # a tracker naming no committed checkpoint: the listing decides
+        protocol.resolve(loc)
     ckpt.close()
     assert [n for n in loc.names() if n != ".peftckpt.lock"] == [n for n in before if n != ".peftckpt.lock"]
 

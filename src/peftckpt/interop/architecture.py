@@ -218,8 +218,11 @@ def _metadata_of(loc: Location, rel: str, manifest: Manifest) -> Metadata:
     if local is not None:
         metadata = load_dcp_metadata(local / DCP_METADATA_FILENAME)
         problems = storage_problems(local, metadata, manifest.files, manifest.saved_keys)
-    else:  # an object store: .metadata alone is fetched, the sizes the manifest records are checked by listing
-        problems = loc.size_problems(rel, manifest)
+    else:
+        # An object store: .metadata alone is fetched and held to the sizes the (self-checksummed) manifest
+        # records. The objects themselves are not listed here: every rank runs this before the job starts, and a
+        # LIST per rank would grow with the job; the load checks each object it reads against the manifest.
+        problems = []
         with tempfile.TemporaryDirectory(prefix="peftckpt-metadata.") as tmp:
             name = f"{rel}/{DCP_METADATA_FILENAME}" if rel else DCP_METADATA_FILENAME
             try:

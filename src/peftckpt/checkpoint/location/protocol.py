@@ -166,8 +166,12 @@ def resolve(loc: Location) -> tuple[str, int]:
         raise CheckpointNotFoundError(
             f"{loc.text} is not a committed checkpoint ({why}): a save was interrupted before its commit; "
             f"load the save directory {loc.parent} to get the last committed one")
-    names = loc.names()
     tracked = read_tracker(loc)
+    if tracked is not None and loc.holds_manifest(iteration_dirname(tracked)):
+        # The common case, decided without listing the location: every rank resolves a load, and on a store a
+        # listing per rank would grow the job's LIST requests with its size.
+        return iteration_dirname(tracked), tracked
+    names = loc.names()
     committed = _committed(loc, names)
     if tracked is not None:
         if tracked in committed:

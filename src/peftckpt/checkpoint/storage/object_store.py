@@ -62,7 +62,7 @@ class ObjectStore:
         """Raise one clear :class:`CheckpointError` unless the bucket exists and can be listed with the
         configured credentials (nothing is written)."""
         try:
-            self.fs.ls(self.bucket, detail=False, refresh=True)
+            self.fs.call_s3("head_bucket", Bucket=self.bucket)  # a HEAD, not a LIST: every rank may ask
         except Exception as e:  # noqa: BLE001 - translated into one message naming the URL
             raise store_error(e, self.url, f"bucket {self.bucket}") from None
 
@@ -70,11 +70,12 @@ class ObjectStore:
     def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes:
         """The object ``rel``; ``FileNotFoundError`` when absent, ``ValueError`` when larger than ``max_bytes``."""
         key = self.key(rel)
-        if max_bytes is not None:
-            size = self.fs.size(key)
-            if size is not None and size > max_bytes:
-                raise ValueError(f"is {size} bytes, more than the {max_bytes} expected")
-        data: bytes = self.fs.cat_file(key)
+        if max_bytes is None:
+            whole: bytes = self.fs.cat_file(key)
+            return whole
+        data: bytes = self.fs.cat_file(key, start=0, end=max_bytes + 1)  # one ranged GET, never past the bound
+        if len(data) > max_bytes:
+            raise ValueError(f"is more than the {max_bytes} bytes expected")
         return data
 
     def write_bytes(self, rel: str, data: bytes) -> None:
@@ -82,7 +83,13 @@ class ObjectStore:
         self.fs.pipe_file(self.key(rel), data)
 
     def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self.key(rel)))
+        """Whether the object ``rel`` exists: one HEAD (fsspec's ``exists`` LISTs the prefix after a miss, to
+        find a "directory")."""
+        try:
+            self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key(rel)[len(self.bucket) + 1:])
+        except FileNotFoundError:
+            return False
+        return True
 
     # ----------------------------------------------------------------------------------- transfers
     def upload(self, local: Path, rel: str) -> None:
