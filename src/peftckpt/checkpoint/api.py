@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..sharding.entries import GlobalTensor
 from .gc_pause import gc_paused
-from .load import Loads
+from .load_base import BaseLoads
 from .options import LoadOptions, LoadResult, SaveOptions
 from .rank_parts import RankParts
 from .save import PendingSave, Saves
@@ -60,7 +60,7 @@ class Checkpointer:
         self.layout, self.coords = p.layout, p.coords
         self.model_config, self.adapter_config = p.model_config, p.adapter_config
         self._saves = Saves(p)
-        self._loads = Loads(p)
+        self._loads = BaseLoads(p)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,6 +1,6 @@
 """Loads: a committed checkpoint read back into the rank parts (model chunks, optimizer, states, RNG).
 
-:class:`Loads` runs :meth:`Loads.load` and :meth:`Loads.load_pretrained` as their numbered steps: the location
+:class:`Loads` runs :meth:`Loads.load` as its numbered steps (bases: :mod:`~peftckpt.checkpoint.load_base`): the location
 gives a local directory to read (:meth:`~peftckpt.checkpoint.location.base.Location.reading`), the checkpoint is
 resolved and verified, checked against this model, and read in its format; the objects it holds besides tensors
 are put back by :mod:`~peftckpt.checkpoint.load_objects`.
@@ -9,18 +9,14 @@ are put back by :mod:`~peftckpt.checkpoint.load_objects`.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..sharding.entries import GlobalTensor
 from .checks.load_checks import (
     adapter_mismatch,
     architecture_mismatch,
@@ -33,8 +29,6 @@ from .checks.strictness import KeyReport, check_keys
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
-    CheckpointIntegrityError,
-    CheckpointMismatchError,
     UnsafeCheckpointError,
     as_read_error,
     unwrap_dcp_error,
@@ -45,7 +39,7 @@ from .location import protocol
 from .location.locate import locate
 from .options import LoadOptions, LoadResult
 from .rank_parts import RankParts
-from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting, fingerprint_version
+from .state.fingerprint import Fingerprinting, fingerprint_version
 from .state.sections import MODEL, OPTIMIZER
 from .storage.checksums import files_share, is_data_file, verify_checksums, verify_files
 from .storage.dcp_reader import has_block_index
@@ -56,7 +50,7 @@ __all__ = ["Loads"]
 
 
 @dataclass
-class _Verify:
+class ReadVerification:
     """The checksums of this rank's share of a checkpoint's data files, hashed while a load reads them."""
 
     ckpt: Path
@@ -72,7 +66,7 @@ class Loads:
         self.base_fingerprint_wait_s: float | None = None
         """How long the last base load waited for its fingerprint after reading its last piece."""
 
-    def _resolve(self, path: str | os.PathLike[str], options: LoadOptions) -> tuple[Path, int, Manifest, _Verify]:
+    def _resolve(self, path: str | os.PathLike[str], options: LoadOptions) -> tuple[Path, int, Manifest, ReadVerification]:
         """Directory, iteration and manifest of a committed checkpoint, its files verified (collective):
         presence, sizes and the small files now; with ``verify_while_reading`` the checksums of the data
         files in a background thread, finished by :meth:`_read`."""
@@ -85,7 +79,7 @@ class Loads:
         except CheckpointError as e:  # alike on every rank as a rule (one location): agreed, so said once
             found = e
         self.comm.agree(found)
-        pending = _Verify(ckpt)
+        pending = ReadVerification(ckpt)
         shard = (self.parts.rank, self.parts.world)
         fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
         later = options.verify_while_reading and fmt.hashes_while_reading
@@ -110,7 +104,7 @@ class Loads:
             executor.shutdown(wait=False)
         return ckpt, iteration, manifest, pending
 
-    def _raise_if_damaged(self, v: _Verify, problems: list[str], after_read: bool = False) -> None:
+    def _raise_if_damaged(self, v: ReadVerification, problems: list[str], after_read: bool = False) -> None:
         """Raise :class:`CheckpointIntegrityError` on every rank if any rank found a damaged file."""
         error = damaged(v.ckpt, list(dict.fromkeys(p for ps in self.comm.gather(problems) for p in ps)), after_read)
         if error is not None:
@@ -256,7 +250,7 @@ class Loads:
             request.pop(k, None)
         return report
 
-    def _read(self, request: dict[str, Any], stored: StoredCheckpoint, verification: _Verify,
+    def _read(self, request: dict[str, Any], stored: StoredCheckpoint, verification: ReadVerification,
               fingerprinting: Fingerprinting | None = None) -> None:
         """Read the request in place, then finish the checksums started by :meth:`_resolve`; a
         failure on any rank is raised on every rank (a damaged file first: it explains a failed read).
@@ -269,7 +263,7 @@ class Loads:
             error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
         self._finish_read(verification, problems, error)
 
-    def _finish_read(self, verification: _Verify, problems: list[str], error: BaseException | None) -> None:
+    def _finish_read(self, verification: ReadVerification, problems: list[str], error: BaseException | None) -> None:
         """After a read: the damage it found and the checksums of :meth:`_resolve`, reported on every rank
         (first: damage explains a failed read), then the read's own ``error`` (agreed)."""
         if verification.future is not None:
@@ -279,151 +273,3 @@ class Loads:
                 problems.append(f"{getattr(e, 'filename', None) or verification.ckpt}: cannot be read to verify: {e}")
         self._raise_if_damaged(verification, problems, after_read=True)
         self.comm.agree(error)
-
-    def _read_then(self, request: dict[str, Any], stored: StoredCheckpoint, verification: _Verify,
-                   then: Callable[[str], None]) -> None:
-        """:meth:`_read` a few tensors at a time, calling ``then(key)`` (on every rank, in one order) once this
-        rank's pieces of ``key`` are in place, before the next tensors are read: what ``then`` releases (a
-        weight quantized, say) is never held whole. The base fingerprint is then taken from the model when needed."""
-        problems: list[str] = []
-        error: BaseException | None = None
-        for batch in _read_batches({k: v for k, v in stored.tensor_shapes.items() if k.startswith(MODEL + ".")}):
-            try:
-                problems = stored.read({k: request[k] for k in batch if k in request})
-            except BaseException as e:  # noqa: BLE001 - reported collectively
-                error = as_read_error(unwrap_dcp_error(e), verification.ckpt)
-            if not self.comm.all_true(error is None):
-                break
-            for key in batch:
-                if key in request:
-                    request[key].pieces = []  # this load's last reference to the tensor: it may go now
-                then(key)
-        self._finish_read(verification, problems, error)
-        self.parts.fingerprints.clear()
-        self.base_fingerprint_wait_s = None
-
-    def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
-                          read: Callable[[str, Sequence[int], Sequence[int]], torch.Tensor],
-                          read_into: Callable[[str, Sequence[int], torch.Tensor], None] | None = None,
-                          then: Callable[[str], None] | None = None) -> list[str]:
-        """:meth:`~peftckpt.checkpoint.api.Checkpointer.load_base_tensors` (collective)."""
-        request = self.parts.build(False, False).tensors()
-        absent = sorted(k for k in request if k not in shapes)
-        wrong = [f"  {k}: {source} {list(shapes[k])}, model {list(v.global_shape)}" for k, v in sorted(request.items())
-                 if k in shapes and list(shapes[k]) != list(v.global_shape)]
-        frozen_absent = [k for k in absent if not request[k].requires_grad]
-        error: BaseException | None = None
-        if frozen_absent or wrong:
-            error = CheckpointMismatchError(
-                (f"{source} lacks {len(frozen_absent)} frozen base tensor(s): "
-                 + ", ".join(frozen_absent[:10]) + ("" if len(frozen_absent) <= 10 else ", ...") + "\n"
-                 if frozen_absent else "")
-                + (f"{source} holds tensors of other shapes than this model's:\n" + "\n".join(wrong[:10])
-                   if wrong else ""))
-        self.comm.agree(error)
-        with self._fingerprinting_base({} if then is not None else request) as fingerprinting:
-            try:
-                with torch.no_grad():
-                    for key, entry in request.items():
-                        if key in shapes:
-                            for piece in entry.pieces:
-                                if read_into is not None:  # straight into the model's memory
-                                    read_into(key, piece.offsets, piece.tensor)
-                                else:
-                                    piece.tensor.copy_(read(key, piece.offsets, piece.tensor.shape))
-                                fingerprinting.add(key, piece.offsets, piece.tensor)
-                            if then is not None:
-                                entry.pieces = []  # this load's last reference to the tensor: it may go now
-                                then(key)
-            except CheckpointError as e:
-                error = e
-            except (OSError, ValueError) as e:  # an unreadable or damaged source file: the source names it
-                error = CheckpointIntegrityError(f"{source} cannot be read: {e}")
-            self.comm.agree(error)
-        if then is not None:  # the tensors changed after they were read: fingerprinted from the model when needed
-            self.parts.fingerprints.clear()
-            self.base_fingerprint_wait_s = None
-        return absent
-
-    @contextlib.contextmanager
-    def _fingerprinting_base(self, request: Mapping[str, Any]) -> Iterator[Fingerprinting]:
-        """The fingerprint of the base a load is writing into the model, fed piece by piece as the load reads
-        them (hashing overlaps the reading), and cached once the load succeeded (collective)."""
-        self.parts.fingerprints.clear()  # the base changes
-        fingerprinting = Fingerprinting({k: v for k, v in request.items() if isinstance(v, GlobalTensor)
-                                         and v.frozen}, self.comm.distributed, group=self.comm.group)
-        try:
-            yield fingerprinting
-        except BaseException:
-            fingerprinting.close()
-            raise
-        self.parts.fingerprints[FINGERPRINT_VERSION] = fingerprinting.result()
-        self.base_fingerprint_wait_s = fingerprinting.wait_s
-
-    def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
-                        then: Callable[[str], None] | None = None) -> LoadResult:
-        """:meth:`~peftckpt.checkpoint.api.Checkpointer.load_pretrained`: the base from a full checkpoint (a
-        frozen parameter it lacks is an error; trainable ones it lacks, the adapters, keep their values)."""
-        options = options or LoadOptions()
-        try:
-            with self._located(path, options) as (local, located_options, url):
-                result = self._load_pretrained(local, located_options, then)
-        except Exception as e:
-            # No earlier checkpoint is offered: an earlier base is another base (its fingerprint differs).
-            explain_damage(self.comm, e, path, search_earlier=False)
-            raise
-        return result if url is None else replace(result, path=url)
-
-    def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions,
-                         then: Callable[[str], None] | None) -> LoadResult:
-        """:meth:`load_pretrained` of a local checkpoint."""
-        ckpt, _, manifest, verification = self._resolve(path, options)
-        if not manifest.holds_every_weight:
-            raise CheckpointFormatError(
-                f"load_pretrained: {ckpt} is an adapter-only checkpoint (saved with "
-                "SaveOptions(trainable_only=True)); it holds no base weights. Load it with Checkpointer.load instead")
-        self.comm.agree(architecture_mismatch(self.parts.model_config, manifest, ckpt))
-        fmt = storage_format(manifest.format, f"load_pretrained: {ckpt}")
-        if not fmt.reshards:
-            raise CheckpointFormatError(f"load_pretrained: {ckpt} must be torch_dist, got {manifest.format!r}")
-        stored = self._open(fmt, ckpt, manifest, options)
-        request = self.parts.build(False, False).tensors()
-        self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
-        absent = [k for k in request if k not in stored.tensor_shapes]
-        frozen_absent = [k for k in absent if not request[k].requires_grad]
-        error: BaseException | None = None
-        if frozen_absent:
-            error = CheckpointMismatchError(
-                f"load_pretrained: {ckpt} lacks {len(frozen_absent)} frozen base tensor(s): "
-                + ", ".join(sorted(frozen_absent)[:10]) + ("" if len(frozen_absent) <= 10 else ", ...")
-            )
-        self.comm.agree(error)
-        for k in absent:
-            request.pop(k)
-        if then is None:
-            with self._fingerprinting_base(request) as fingerprinting:
-                self._read(request, stored, verification, fingerprinting)
-        else:
-            self._read_then(request, stored, verification, then)
-        return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))
-
-
-_BATCH_ELEMENTS = 1 << 24
-"""Elements of the global tensors one read of :meth:`Loads._read_then` covers, 16 M (64 MB in fp32; a larger
-tensor is read alone): what is held in full precision at once, against one read call per batch."""
-
-
-def _read_batches(shapes: Mapping[str, Sequence[int] | None]) -> Iterator[list[str]]:
-    """The stored tensors in key order, cut into consecutive batches of about :data:`_BATCH_ELEMENTS` (the same
-    batches on every rank: they come from the checkpoint's metadata)."""
-    batch: list[str] = []
-    size = 0
-    for key in sorted(k for k, shape in shapes.items() if shape is not None):
-        n = math.prod(shapes[key] or ())
-        if batch and size + n > _BATCH_ELEMENTS:
-            yield batch
-            batch, size = [], 0
-        batch.append(key)
-        size += n
-    if batch:
-        yield batch
