@@ -64,15 +64,27 @@ class CallState:
     """What a deferred snapshot (:attr:`~peftckpt.checkpoint.options.SaveOptions.defer_snapshot`) takes before the
     save call returns, so that entries built later in the save's thread still save the state of the call: the
     model's buffers, copied (a forward pass may update them: running statistics, counters; they are small), and
-    the version counter of every tensor training updates in place (trainable parameters, optimizer state), by the
-    storage they live in. The parameters and the optimizer state change only at the optimizer step, which waits
-    for the copy (:meth:`~peftckpt.checkpoint.api.Checkpointer.snapshot_fence`)."""
+    the version counter of every tensor training updates in place (trainable parameters, optimizer state). The
+    parameters and the optimizer state change only at the optimizer step, which waits for the copy
+    (:meth:`~peftckpt.checkpoint.api.Checkpointer.snapshot_fence`).
 
-    buffers: dict[tuple[int, int, tuple[int, ...]], torch.Tensor]
-    """A copy of each buffer, by ``(storage address, storage offset, shape)`` of its live tensor."""
-    versions: dict[int, int]
-    """Version counter of each tensor the optimizer step updates (its parameters -- without an optimizer, every
-    trainable parameter -- and its state), by storage address (views share their base's)."""
+    Only the live tensors are recorded at the call; their storage addresses -- by which the save's thread matches
+    them to its entries' pieces (views share their base's storage) -- are looked up there, off the training
+    thread. Holding the live tensors keeps those addresses theirs until the save ends."""
+
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    """``(live buffer, its copy)`` for each buffer of the model."""
+    updated: list[tuple[torch.Tensor, int]]
+    """``(live tensor, its version counter)`` for each tensor the optimizer step updates (its parameters --
+    without an optimizer, every trainable parameter -- and its state)."""
+
+    def buffer_copies(self) -> dict[tuple[int, int, tuple[int, ...]], torch.Tensor]:
+        """The buffers' copies by ``(storage address, storage offset, shape)`` of the live tensor."""
+        return {_key(live): copied for live, copied in self.buffers}
+
+    def versions(self) -> dict[int, int]:
+        """The version counters at the call by storage address."""
+        return {live.untyped_storage().data_ptr(): version for live, version in self.updated}
 
 
 def _key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
@@ -83,15 +95,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+
 def take_call_state(chunks: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> CallState:
     """The :class:`CallState` of a deferred snapshot, taken in the save call (one walk over the parameters and
-    buffers, no entry built)."""
-    buffers = {}
-    versions = {}
+    buffers, no entry built, no storage looked up)."""
+    buffers = []
     for chunk in chunks:
         for b in chunk.buffers():
             live = _local(b).detach()
-            buffers[_key(live)] = live.clone()
+            buffers.append((live, live.clone()))
     # What the optimizer step updates: its parameters and its state (without one, every trainable parameter).
     params: list[torch.Tensor]
     if optimizer is None:
@@ -100,10 +112,11 @@ def take_call_state(chunks: Sequence[nn.Module], optimizer: torch.optim.Optimize
         ensure_optimizer_state(optimizer)  # (created now, as a save without a step creates them)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         params += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    updated = []
     for t in params:
-        live = _local(t)
-        versions[live.untyped_storage().data_ptr()] = live._version
-    return CallState(buffers, versions)
+        live = t._local_tensor if isinstance(t, DTensor) else t
+        updated.append((live, live._version))
+    return CallState(buffers, updated)
 
 
 def _is_buffer(key: str, v: GlobalTensor) -> bool:
@@ -112,9 +125,10 @@ def _is_buffer(key: str, v: GlobalTensor) -> bool:
 
 def with_buffers_at_call(flat: dict[str, Any], call: CallState) -> dict[str, Any]:
     """``flat`` with the pieces of the model's buffers replaced by their copies taken at the call."""
+    copies = call.buffer_copies()
     for key, v in flat.items():
         if isinstance(v, GlobalTensor) and _is_buffer(key, v):
-            flat[key] = GlobalTensor(v.global_shape, v.dtype, [Piece(p.offsets, call.buffers.get(_key(p.tensor), p.tensor))
+            flat[key] = GlobalTensor(v.global_shape, v.dtype, [Piece(p.offsets, copies.get(_key(p.tensor), p.tensor))
                                                                 for p in v.pieces], v.requires_grad, v.replicated)
     return flat
 
@@ -123,7 +137,8 @@ def unchanged_since_call(flat: Mapping[str, Any], call: CallState, fence: str) -
     """A check, to run once a deferred snapshot is copied, that no tensor training updates (trainable
     parameters, optimizer state) of ``flat`` was modified in place since the call: else the copy may mix two
     steps, and the save is discarded with an error that says what to call first (``fence``)."""
-    pieces = [(k, p.tensor, call.versions.get(p.tensor.untyped_storage().data_ptr()))
+    versions = call.versions()
+    pieces = [(k, p.tensor, versions.get(p.tensor.untyped_storage().data_ptr()))
               for k, v in flat.items() if isinstance(v, GlobalTensor) and not v.frozen and not _is_buffer(k, v)
               for p in v.pieces]
 
