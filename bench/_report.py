@@ -16,6 +16,7 @@ LABELS = {
     "bare_full": "DCP write of our full entries (no manifest/checksums/commit)",
     "bare_trainable": "DCP write of our trainable entries (no manifest/checksums/commit)",
     "s3_trainable": "ours: trainable-only to s3:// (local moto server: spool + upload / verified download + load)",
+    "s3_plain": "plain s3fs put / get of the same files, all in flight at once (same server; no protocol)",
     "plain_dcp": "plain DCP: get_state_dict(ignore_frozen_params) + dcp.save/load",
     "torch_save": "torch.save of the filtered state dict (no fsync)",
     "torch_save_fsync": "torch.save of the filtered state dict + fsync",
@@ -82,6 +83,12 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target("training step with a checkpoint every step (--save-interval 1 --async-save) <= 1.02x "
                            "the step without saves", _m(tl["every_step_async"]) / _m(tl["no_saves"]), 1.02, "<=",
                            f"medians; {tl['checkpoints_committed']} checkpoints committed"))
+    if "s3_plain" in rows:
+        s3, plain = rows["s3_trainable"], rows["s3_plain"]
+        out.append(_target("save to S3 bandwidth >= 0.8x a plain parallel put of the same bytes (same server)",
+                           _m(plain["save"]) / _m(s3["save"]), 0.8, ">=", f"{s3['bytes'] / MB:.1f} MB"))
+        out.append(_target("load from S3 bandwidth >= 0.8x a plain parallel get of the same bytes (same server)",
+                           _m(plain["load"]) / _m(s3["load"]), 0.8, ">=", f"{s3['bytes'] / MB:.1f} MB"))
     fit = r.get("scaling", {}).get("fit", {}).get("ours")
     if fit is not None:
         out.append(_target("cost per stored tensor (trainable-only save, scaling fit) <= 25 us",
@@ -138,6 +145,9 @@ def report(r: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         s3, local = rows["s3_trainable"], rows["ours_trainable"]
         lines.append(f"| trainable-only on S3 / on local disk (medians): save x{_m(s3['save']) / _m(local['save']):.2f}, "
                      f"load x{_m(s3['load']) / _m(local['load']):.2f} | |")
+    for name, counts in r.get("s3_requests", {}).items():
+        lines.append(f"| S3 requests of one trainable-only {name} (by operation, server's log) | "
+                     + ", ".join(f"{op} {k}" for op, k in counts.items()) + " |")
     lines.append(f"| checksums of the full checkpoint's files (standalone) | {_cell(rows['ours_full']['checksum'])} |")
     if "train_loop" in r:
         tl = r["train_loop"]

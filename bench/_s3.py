@@ -8,9 +8,18 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 S3_ENV = "PEFTCKPT_BENCH_S3"
 """Set (to the base URL of the bench's objects) while the S3 server runs; the worker ranks inherit it."""
+RECORDING_ENV = "PEFTCKPT_BENCH_S3_RECORDING"
+"""Set (to the server's request log) while the S3 server runs: :func:`requests` counts what it recorded."""
+
+
+def _importable_tests() -> None:
+    root = str(Path(__file__).resolve().parents[1])  # the repository root: tests.s3_server
+    if root not in sys.path:
+        sys.path.insert(0, root)
 
 
 def available() -> bool:
@@ -21,13 +30,14 @@ def available() -> bool:
 def s3_for_bench(work: Path) -> Iterator[str]:
     """Start the server, point this process's AWS variables (inherited by spawned workers) at it, yield the base
     URL for the bench's checkpoints."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.s3_server
+    _importable_tests()
     from tests.s3_server import BUCKET, s3_server
 
-    with s3_server(work / "s3-cache") as server:
-        saved = {k: os.environ.get(k) for k in [*server.env, S3_ENV]}
+    with s3_server(work / "s3-cache", recording=work / "s3-requests.jsonl") as server:
+        saved = {k: os.environ.get(k) for k in [*server.env, S3_ENV, RECORDING_ENV]}
         os.environ.update(server.env)
         os.environ[S3_ENV] = f"s3://{BUCKET}/bench"
+        os.environ[RECORDING_ENV] = str(server.recording)
         try:
             yield os.environ[S3_ENV]
         finally:
@@ -43,3 +53,40 @@ def drop(url: str) -> None:
     from peftckpt.checkpoint.storage.object_store import ObjectStore
 
     ObjectStore(url).delete("")
+
+
+def _server() -> Any:
+    _importable_tests()
+    from tests.s3_server import S3Server
+
+    return S3Server(os.environ["AWS_ENDPOINT_URL"], {}, Path(os.environ[RECORDING_ENV]))
+
+
+def record() -> None:
+    """Start counting the server's requests from now (one process calls it)."""
+    _server().record()
+
+
+def requests() -> dict[str, int]:
+    """The requests the server served since :func:`record`, by S3 operation (LIST, HEAD, GET, PUT, POST, DELETE)."""
+    return dict(sorted(_server().requests().items()))
+
+
+class PlainTransfer:
+    """The reference for our S3 rows: the same files put to and got from the same server with s3fs's own
+    concurrent ``put`` / ``get`` (all files in flight at once), no checkpoint protocol."""
+
+    def __init__(self, url: str):
+        import s3fs
+
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        self.prefix = url.removeprefix("s3://")
+
+    def put(self, files: list[Path], root: Path) -> None:
+        self.fs.put([str(f) for f in files], [f"{self.prefix}/{f.relative_to(root)}" for f in files])
+
+    def get(self, files: list[Path], root: Path, into: Path) -> None:
+        for f in files:
+            (into / f.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+        self.fs.get([f"{self.prefix}/{f.relative_to(root)}" for f in files],
+                    [str(into / f.relative_to(root)) for f in files])

@@ -282,6 +282,29 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
             ctx.barrier()
         return (lambda i: ck.save(s3_url(i), 1, OBJECTS, options["trainable"])), before
 
+    plain_s3 = _s3.PlainTransfer(f"{s3_base}/plain") if s3_base and ctx.rank == 0 else None
+
+    def trainable_files(i: int) -> tuple[list[Path], Path]:
+        root = _committed(dirs.path("ours-trainable", i))
+        return sorted(p for p in root.rglob("*") if p.is_file()), root
+
+    def s3_plain_put() -> Step:
+        """Rank 0 puts the files of this round's trainable-only checkpoint (the same bytes as ours)."""
+        def before(i: int) -> None:
+            if plain_s3 is not None:
+                _s3.drop(f"{s3_base}/plain")
+            ctx.barrier()
+        return (lambda i: plain_s3.put(*trainable_files(i)) if plain_s3 is not None else None), before
+
+    def s3_plain_get() -> Step:
+        got = dirs.path("s3-plain-get")
+
+        def before(i: int) -> None:
+            if ctx.rank == 0:
+                rmtree(got)
+            ctx.barrier()
+        return (lambda i: plain_s3.get(*trainable_files(n - 1), got) if plain_s3 is not None else None), before
+
     def raw_read_step(kind: str) -> Step:
         path = raw_file(kind, n - 1)
         return (lambda i: raw_read(path, rbuf) if ctx.rank == 0 else None), (lambda i: dirs.evict(path, args.cache))
@@ -296,7 +319,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
         "plain_dcp": save_step(dirs, "plain", plain.save),
         "raw_trainable": raw_step("trainable"),
         "ours_model_only": ours_save("model_only"),
-        **({"s3_trainable": s3_save()} if s3_base else {}),
+        **({"s3_trainable": s3_save(), "s3_plain": s3_plain_put()} if s3_base else {}),
         **(peers.save_steps() if peers is not None else {}),
     })
     small_loads = ctx.rounds(n, {
@@ -307,7 +330,8 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
         "raw_trainable": raw_read_step("trainable"),
         "ours_model_only": load("model_only", True),
         "ours_model_only_noverify": load("model_only", False),
-        **({"s3_trainable": ((lambda i: ck.load(s3_url(n - 1))), None)} if s3_base else {}),
+        **({"s3_trainable": ((lambda i: ck.load(s3_url(n - 1))), None), "s3_plain": s3_plain_get()}
+           if s3_base else {}),
         **{f"peer_{k}": v for k, v in (peers.load_steps() if peers is not None else {}).items()},
     })
     full = ctx.rounds(n, {
@@ -343,8 +367,15 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
     if s3_base:  # the same checkpoint as ours_trainable, on the S3 server
         rows["s3_trainable"] = {"save": small["s3_trainable"].to_dict(), "bytes": rows["ours_trainable"]["bytes"],
                                 "load": small_loads["s3_trainable"].to_dict()}
+        rows["s3_plain"] = {"save": small["s3_plain"].to_dict(), "bytes": rows["ours_trainable"]["bytes"],
+                            "load": small_loads["s3_plain"].to_dict()}
+        out["s3_requests"] = s3_requests(ctx, lambda: ck.save(s3_url(n), 1, OBJECTS, options["trainable"]),
+                                         lambda: ck.load(s3_url(n)))
         if ctx.rank == 0:
             _s3.drop(s3_url(n - 1))
+            _s3.drop(s3_url(n))
+            _s3.drop(f"{s3_base}/plain")
+        dirs.drop(dirs.path("s3-plain-get"))
     if peers is not None:
         rows.update(peers.rows(small, {k.removeprefix("peer_"): v for k, v in small_loads.items()
                                        if k.startswith("peer_")}))
@@ -383,6 +414,22 @@ def measure_async(args: argparse.Namespace, ctx: Ctx, dirs: Dirs, b: Bundle) -> 
             total.samples.append(ctx.slowest(t2 - t0))
             dirs.drop(d)
         out[name] = {"blocked": blocked.to_dict(), "until_committed": total.to_dict()}
+    return out
+
+
+def s3_requests(ctx: Ctx, save: Callable[[], Any], load: Callable[[], Any]) -> dict[str, dict[str, int]]:
+    """The requests by S3 operation of one trainable-only save to the S3 server and of one load of it (untimed;
+    the server's recorder counts them)."""
+    out: dict[str, dict[str, int]] = {}
+    for name, fn in (("save", save), ("load", load)):
+        ctx.barrier()
+        if ctx.rank == 0:
+            _s3.record()
+        ctx.barrier()
+        fn()
+        ctx.barrier()
+        if ctx.rank == 0:
+            out[name] = _s3.requests()
     return out
 
 

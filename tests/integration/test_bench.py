@@ -22,7 +22,8 @@ TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-attention-heads", "4"
         "--ffn-hidden-size", "128", "--vocab-size", "256", "--lora-rank", "4", "--repeats", "2",
         "--scaling-layers", "1", "3", "--scaling-hidden-size", "64"]
 ROWS = ["ours_full", "ours_trainable", "ours_model_only", "bare_full", "bare_trainable", "plain_dcp",
-        "torch_save", "torch_save_fsync", "hf_peft", "hf_peft_fsync", "s3_trainable"]
+        "torch_save", "torch_save_fsync", "hf_peft", "hf_peft_fsync", "s3_trainable",
+        "s3_plain"]
 TARGETS = [
     "trainable-only save <= plain DCP save",
     "adapter-only save <= HF PEFT save_pretrained + fsync",
@@ -34,6 +35,8 @@ TARGETS = [
     "async trainable-only save: blocked <= 1% of the sync save",
     "async full save: blocked <= 1% of the sync save",
     "training step with a checkpoint every step (--save-interval 1 --async-save) <= 1.02x",
+    "save to S3 bandwidth >= 0.8x a plain parallel put of the same bytes",
+    "load from S3 bandwidth >= 0.8x a plain parallel get of the same bytes",
     "cost per stored tensor (trainable-only save, scaling fit) <= 25 us",
     "checksums + base fingerprint add <= 10% to a full save",
     "base fingerprint (once per run",
@@ -65,8 +68,13 @@ def _check(r: dict[str, Any], repeats: int, layout: dict[str, int], hf: bool = T
         for load in ("load", "load_noverify"):
             _stat_ok(rows[name][load], repeats)
     _stat_ok(rows["ours_full"]["load_verify_first"], repeats)
-    for name in ("plain_dcp", "torch_save_fsync", "s3_trainable", *(["hf_peft_fsync"] if hf else [])):
+    for name in ("plain_dcp", "torch_save_fsync", "s3_trainable", "s3_plain", *(["hf_peft_fsync"] if hf else [])):
         _stat_ok(rows[name]["load"], repeats)
+    # the S3 server's log of one save and one load: objects put, then got; the tracker read, never the bucket listed
+    # more than a few times
+    requests = r["s3_requests"]
+    assert requests["save"]["PUT"] >= 3 and requests["load"]["GET"] >= 3, requests
+    assert requests["save"].get("LIST", 0) <= 4 and requests["load"].get("LIST", 0) <= 4, requests
     # sizes: the adapter without its optimizer < adapter + Adam state < the whole model
     full, trainable, model_only = (rows[f"ours_{k}"]["bytes"] for k in ("full", "trainable", "model_only"))
     assert model_only < trainable < full
@@ -110,6 +118,7 @@ def test_bench_one_process_then_rerender(tmp_path: Path) -> None:
     assert all(len(loop[m]["samples_s"]) == loop["rounds"] * (loop["iters"] - 3) for m in ("no_saves", "every_step_async"))
     assert "| target | ratio | limit | met |" in proc.stdout
     assert "| trainable-only on S3 / on local disk (medians): save x" in proc.stdout
+    assert "| S3 requests of one trainable-only save (by operation, server's log) | " in proc.stdout
     assert list(work.iterdir()) == []  # the run's checkpoints are gone
     # --from-json measures nothing and prints the same report
     again = _bench(["--from-json", str(out), "--output", str(tmp_path / "again.json")])
