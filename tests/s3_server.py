@@ -43,8 +43,7 @@ class S3Server:
         counts: Counter[str] = Counter()
         if not self.recording.exists():
             return counts
-        for line in self.recording.read_text().splitlines():
-            entry = json.loads(line)
+        for entry in _json_records(self.recording.read_text()):
             parts = urlsplit(entry["url"])
             query = parse_qs(parts.query, keep_blank_values=True)
             on_bucket = parts.path.strip("/").count("/") == 0
@@ -86,6 +85,19 @@ class S3Server:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(fs.cat_file(key))
         return into
+
+
+def _json_records(text: str) -> Iterator[dict[str, Any]]:
+    """The JSON objects of moto's recording, one after another (a record with a large body may not end its line)."""
+    decoder = json.JSONDecoder()
+    at = 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            return
+        entry, at = decoder.raw_decode(text, at)
+        yield entry
 
 
 def _free_port() -> int:
