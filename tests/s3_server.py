@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from peftckpt.checkpoint.location.names import LOCK_FILENAME
+
 BUCKET = "peftckpt-test"
 
 
@@ -38,7 +40,9 @@ class S3Server:
 
     def requests(self) -> Counter[str]:
         """The requests served since :meth:`record`, by S3 operation: ``LIST``, ``HEAD``, ``GET`` (ranged or
-        not), ``PUT`` (objects, parts and copies), ``POST`` (multipart uploads, batch deletes), ``DELETE``."""
+        not), ``PUT`` (objects, parts and copies), ``POST`` (multipart uploads, batch deletes), ``DELETE``; and apart,
+        ``LEASE``: any request on the run lock's lease object (taken, renewed every quarter lease while the run holds
+        the location, so its count grows with the run's duration, not with what a save or load does)."""
         assert self.recording is not None
         counts: Counter[str] = Counter()
         if not self.recording.exists():
@@ -50,7 +54,8 @@ class S3Server:
             method = entry["method"]
             listing = method == "GET" and on_bucket and ("list-type" in query or "prefix" in query
                                                          or "delimiter" in query or not query)
-            counts["LIST" if listing else method] += 1
+            lease = parts.path.endswith(f"/{LOCK_FILENAME}")
+            counts["LEASE" if lease else "LIST" if listing else method] += 1
         return counts
 
     def fs(self) -> Any:
