@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -126,12 +126,20 @@ class Loads:
         A checkpoint found damaged at any step is an error that also names the newest intact earlier checkpoint
         of its save location (:mod:`~peftckpt.checkpoint.load_damage`); the load never falls back to it by itself.
         """
-        options = options or LoadOptions()
+        return self._load_located(path, options or LoadOptions(),
+                                  lambda local, o: self._load(local, o, model_only), search_earlier=True)
+
+    def _load_located(self, path: str | os.PathLike[str], options: LoadOptions,
+                      load: Callable[[str | os.PathLike[str], LoadOptions], LoadResult],
+                      search_earlier: bool) -> LoadResult:
+        """``load`` of the local directory :meth:`_located` gives for ``path`` (the result names ``path``'s URL
+        when it is on a store); a failure is explained with :func:`explain_damage` (``search_earlier``: naming the
+        newest intact earlier checkpoint), then raised."""
         try:
             with self._located(path, options) as (local, located_options, url):
-                result = self._load(local, located_options, model_only)
+                result = load(local, located_options)
         except Exception as e:
-            explain_damage(self.comm, e, path, search_earlier=True)
+            explain_damage(self.comm, e, path, search_earlier=search_earlier)
             raise
         return result if url is None else replace(result, path=url)
 

@@ -12,7 +12,6 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,7 +28,6 @@ from .errors import (
     unwrap_dcp_error,
 )
 from .load import Loads, ReadVerification
-from .load_damage import explain_damage
 from .options import LoadOptions, LoadResult
 from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting
 from .state.sections import MODEL
@@ -125,15 +123,9 @@ class BaseLoads(Loads):
                         then: Callable[[str], None] | None = None) -> LoadResult:
         """:meth:`~peftckpt.checkpoint.api.Checkpointer.load_pretrained`: the base from a full checkpoint (a
         frozen parameter it lacks is an error; trainable ones it lacks, the adapters, keep their values)."""
-        options = options or LoadOptions()
-        try:
-            with self._located(path, options) as (local, located_options, url):
-                result = self._load_pretrained(local, located_options, then)
-        except Exception as e:
-            # No earlier checkpoint is offered: an earlier base is another base (its fingerprint differs).
-            explain_damage(self.comm, e, path, search_earlier=False)
-            raise
-        return result if url is None else replace(result, path=url)
+        # No earlier checkpoint is offered: an earlier base is another base (its fingerprint differs).
+        return self._load_located(path, options or LoadOptions(),
+                                  lambda local, o: self._load_pretrained(local, o, then), search_earlier=False)
 
     def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions,
                          then: Callable[[str], None] | None) -> LoadResult:
