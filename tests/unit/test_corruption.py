@@ -120,7 +120,7 @@ def test_a_data_file_gone_while_it_is_verified_is_reported(pristine: Path, monke
     """A data file that disappears between the size check and its hashing (verified while reading) is an
     integrity error naming it -- raised collectively, not an OSError escaping on one rank. (Data files without a
     block index -- an earlier release's -- are hashed whole while the load reads them.)"""
-    from peftckpt.checkpoint import load as api
+    from peftckpt.checkpoint.storage import checkpoint_files as api
 
     ckpt = pristine / "iter_0000003"
     monkeypatch.setattr(api, "has_block_index", lambda path: False)

@@ -41,8 +41,8 @@ from .options import LoadOptions, LoadResult
 from .rank_parts import RankParts
 from .state.fingerprint import Fingerprinting, fingerprint_version
 from .state.sections import MODEL, OPTIMIZER
-from .storage.checksums import files_share, is_data_file, verify_checksums, verify_files
-from .storage.dcp_reader import has_block_index
+from .storage.checkpoint_files import CheckpointFiles
+from .storage.checksums import files_share, is_data_file
 from .storage.formats import StorageFormat, StoredCheckpoint, storage_format
 from .storage.manifest import Manifest, read_manifest
 
@@ -54,6 +54,8 @@ class ReadVerification:
     """The checksums of this rank's share of a checkpoint's data files, hashed while a load reads them."""
 
     ckpt: Path
+    files: CheckpointFiles
+    """Where the data files are read from (the directory ``ckpt`` itself, or a store's objects)."""
     future: Future[list[str]] | None = None
 
 
@@ -66,10 +68,12 @@ class Loads:
         self.base_fingerprint_wait_s: float | None = None
         """How long the last base load waited for its fingerprint after reading its last piece."""
 
-    def _resolve(self, path: str | os.PathLike[str], options: LoadOptions) -> tuple[Path, int, Manifest, ReadVerification]:
+    def _resolve(self, path: str | os.PathLike[str], options: LoadOptions, files: CheckpointFiles | None = None
+                 ) -> tuple[Path, int, Manifest, ReadVerification]:
         """Directory, iteration and manifest of a committed checkpoint, its files verified (collective):
         presence, sizes and the small files now; with ``verify_while_reading`` the checksums of the data
-        files in a background thread, finished by :meth:`_read`."""
+        files in a background thread, finished by :meth:`_read`. ``files``: where the location keeps the data
+        files, when not in the directory ``path`` (:meth:`_located`)."""
         found: CheckpointError | None = None
         try:
             local = locate(path, "checkpoint")  # local: a store's checkpoint is read from a copy (_located)
@@ -79,18 +83,19 @@ class Loads:
         except CheckpointError as e:  # alike on every rank as a rule (one location): agreed, so said once
             found = e
         self.comm.agree(found)
-        pending = ReadVerification(ckpt)
+        files = files or CheckpointFiles(ckpt)
+        pending = ReadVerification(ckpt, files)
         shard = (self.parts.rank, self.parts.world)
         fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
         later = options.verify_while_reading and fmt.hashes_while_reading
         # Presence, type and size of every file always (cheap); the hashing as the options say.
         hash_if = (lambda rel: not is_data_file(rel)) if later else None
-        problems = verify_files(ckpt, manifest, shard, hash_if=hash_if if options.verify_checksums else lambda _: False)
+        problems = files.file_problems(manifest, shard, hash_if if options.verify_checksums else lambda _: False)
         error: UnsafeCheckpointError | None = None
         if self.parts.rank == 0:
             # Always, checksums or not: no storage item may lead outside the checkpoint or past a file's end.
             try:
-                problems += fmt.structure_problems(ckpt, manifest)
+                problems += fmt.structure_problems(ckpt, manifest, files.listed)
             except UnsafeCheckpointError as e:
                 error = e
         self.comm.agree(error)
@@ -98,9 +103,9 @@ class Loads:
         if options.verify_checksums and later:
             # A data file with a block index is verified by the read itself, block by block, as it is read.
             rels = [rel for rel in files_share(manifest, shard)
-                    if is_data_file(rel) and not has_block_index(ckpt / rel)]
+                    if is_data_file(rel) and not files.has_block_index(rel)]
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-verify")
-            pending.future = executor.submit(verify_checksums, ckpt, manifest, rels)
+            pending.future = executor.submit(files.checksum_problems, manifest, rels)
             executor.shutdown(wait=False)
         return ckpt, iteration, manifest, pending
 
@@ -127,40 +132,52 @@ class Loads:
         of its save location (:mod:`~peftckpt.checkpoint.load_damage`); the load never falls back to it by itself.
         """
         return self._load_located(path, options or LoadOptions(),
-                                  lambda local, o: self._load(local, o, model_only), search_earlier=True)
+                                  lambda local, o, files: self._load(local, o, model_only, files), search_earlier=True)
 
     def _load_located(self, path: str | os.PathLike[str], options: LoadOptions,
-                      load: Callable[[str | os.PathLike[str], LoadOptions], LoadResult],
+                      load: Callable[[str | os.PathLike[str], LoadOptions, CheckpointFiles | None], LoadResult],
                       search_earlier: bool) -> LoadResult:
-        """``load`` of the local directory :meth:`_located` gives for ``path`` (the result names ``path``'s URL
-        when it is on a store); a failure is explained with :func:`explain_damage` (``search_earlier``: naming the
-        newest intact earlier checkpoint), then raised."""
+        """``load`` of the local directory :meth:`_located` gives for ``path``, with the files the location gives
+        (the result names ``path``'s URL when it is on a store, and the bytes fetched); a failure is explained
+        with :func:`explain_damage` (``search_earlier``: naming the newest intact earlier checkpoint), then
+        raised."""
         try:
-            with self._located(path, options) as (local, located_options, url):
-                result = load(local, located_options)
+            with self._located(path, options) as (local, located_options, files):
+                result = load(local, located_options, files)
+                if files is not None:
+                    result = replace(result, path=files.url or result.path, bytes_fetched=files.bytes_fetched)
         except Exception as e:
             explain_damage(self.comm, e, path, search_earlier=search_earlier)
             raise
-        return result if url is None else replace(result, path=url)
+        return result
 
     @contextlib.contextmanager
     def _located(self, path: str | os.PathLike[str], options: LoadOptions
-                 ) -> Iterator[tuple[str | os.PathLike[str], LoadOptions, str | None]]:
-        """``path`` to load from, with the options to load it with, and its URL where the location reads a copy
-        (collective): a checkpoint on a store is fetched to a node-local copy, every object verified as it
-        downloads, so the copy's checksums are not taken again (see :meth:`Location.reading`)."""
+                 ) -> Iterator[tuple[str | os.PathLike[str], LoadOptions, CheckpointFiles | None]]:
+        """``path`` to load from, with the options to load it with, and the files the location reads it through
+        (collective; ``None``: a directory, read in place). A checkpoint on a store keeps its data objects where
+        they lie, verified as they are read by ranges, or is a verified copy whose checksums are not taken again
+        (see :func:`~.location.protocol.reading`)."""
         try:
             location = locate(path, "checkpoint")
         except CheckpointError as e:
             e.every_rank = True
             raise
-        with protocol.reading(location, self.comm) as (local, url):
-            yield (path, options, None) if url is None else (local, replace(options, verify_checksums=False), url)
+        with protocol.reading(location, self.comm) as files:
+            if files is None:
+                yield path, options, None
+                return
+            if files.hashed:
+                options = replace(options, verify_checksums=False)
+            elif files.verified_while_read:
+                options = replace(options, verify_while_reading=True)
+            yield files.root, options, files
 
-    def _load(self, path: str | os.PathLike[str], options: LoadOptions, model_only: bool) -> LoadResult:
-        """:meth:`load` of a local checkpoint."""
+    def _load(self, path: str | os.PathLike[str], options: LoadOptions, model_only: bool,
+              files: CheckpointFiles | None = None) -> LoadResult:
+        """:meth:`load` of a checkpoint directory (``files``: as :meth:`_resolve`)."""
         # 1.
-        ckpt, iteration, manifest, verification = self._resolve(path, options)
+        ckpt, iteration, manifest, verification = self._resolve(path, options, files)
         fmt = storage_format(manifest.format, f"checkpoint {ckpt}")
         if self.parts.states and not model_only and not fmt.holds_states:
             raise CheckpointFormatError(f"checkpoint {ckpt} is in the {fmt.name!r} format, which holds no "
@@ -175,7 +192,7 @@ class Loads:
         if not manifest.trainable_only:
             self.parts.fingerprints.clear()  # a full checkpoint replaces the base too
         # 4.
-        stored = self._open(fmt, ckpt, manifest, options)
+        stored = self._open(fmt, verification, manifest, options)
         self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
         report = self._check_keys(ckpt, manifest, stored, request, options, with_optim)
         wanted = objects_to_read(self.parts, manifest, stored.object_keys, object_keys, options, model_only,
@@ -219,16 +236,18 @@ class Loads:
                     request.pop(k)
         return request, with_optim
 
-    def _open(self, fmt: StorageFormat, ckpt: Path, manifest: Manifest, options: LoadOptions) -> StoredCheckpoint:
+    def _open(self, fmt: StorageFormat, verification: ReadVerification, manifest: Manifest, options: LoadOptions
+              ) -> StoredCheckpoint:
         """Open the checkpoint in its format for this rank (collective: a refusal is every rank's); what it reads
         is verified as it is read unless :meth:`_resolve` hashed every file first (or nothing is verified)."""
         stored: StoredCheckpoint | None = None
         error: BaseException | None = None
         try:
             verify = options.verify_checksums and options.verify_while_reading
-            stored = fmt.open(ckpt, manifest, self.parts.layout, self.parts.coords, self.comm.group, verify)
+            stored = fmt.open(verification.ckpt, manifest, self.parts.layout, self.parts.coords, self.comm.group,
+                              verify, verification.files.sources)
         except BaseException as e:  # noqa: BLE001 - refused, or a file unreadable since it was verified
-            error = as_read_error(e, ckpt)
+            error = as_read_error(e, verification.ckpt)
         self.comm.agree(error)
         assert stored is not None
         return stored

@@ -31,6 +31,7 @@ from .load import Loads, ReadVerification
 from .options import LoadOptions, LoadResult
 from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting
 from .state.sections import MODEL
+from .storage.checkpoint_files import CheckpointFiles
 from .storage.formats import StoredCheckpoint, storage_format
 
 __all__ = ["BaseLoads"]
@@ -125,12 +126,13 @@ class BaseLoads(Loads):
         frozen parameter it lacks is an error; trainable ones it lacks, the adapters, keep their values)."""
         # No earlier checkpoint is offered: an earlier base is another base (its fingerprint differs).
         return self._load_located(path, options or LoadOptions(),
-                                  lambda local, o: self._load_pretrained(local, o, then), search_earlier=False)
+                                  lambda local, o, files: self._load_pretrained(local, o, then, files),
+                                  search_earlier=False)
 
     def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions,
-                         then: Callable[[str], None] | None) -> LoadResult:
-        """:meth:`load_pretrained` of a local checkpoint."""
-        ckpt, _, manifest, verification = self._resolve(path, options)
+                         then: Callable[[str], None] | None, files: CheckpointFiles | None = None) -> LoadResult:
+        """:meth:`load_pretrained` of a checkpoint directory (``files``: as :meth:`Loads._resolve`)."""
+        ckpt, _, manifest, verification = self._resolve(path, options, files)
         if not manifest.holds_every_weight:
             raise CheckpointFormatError(
                 f"load_pretrained: {ckpt} is an adapter-only checkpoint (saved with "
@@ -139,7 +141,7 @@ class BaseLoads(Loads):
         fmt = storage_format(manifest.format, f"load_pretrained: {ckpt}")
         if not fmt.reshards:
             raise CheckpointFormatError(f"load_pretrained: {ckpt} must be torch_dist, got {manifest.format!r}")
-        stored = self._open(fmt, ckpt, manifest, options)
+        stored = self._open(fmt, verification, manifest, options)
         request = self.parts.build(False, False).tensors()
         self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))
         absent = [k for k in request if k not in stored.tensor_shapes]

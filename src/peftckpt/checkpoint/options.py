@@ -68,3 +68,6 @@ class LoadResult:
     objects: dict[str, Any] = field(default_factory=dict)
     report: KeyReport = field(default_factory=KeyReport)
     rng_restored: bool = False
+    bytes_fetched: int | None = None
+    """Bytes this rank fetched from an object store for the load (its ranged reads; ``None``: read from a
+    directory, or from a copy of the checkpoint)."""

@@ -343,10 +343,11 @@ def _uncovered(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequen
     return holes
 
 
-def dcp_problems(ckpt_dir: Path, manifest: Manifest) -> list[str]:
+def dcp_problems(ckpt_dir: Path, manifest: Manifest, stored: Mapping[str, int] | None = None) -> list[str]:
     """Raises :class:`UnsafeCheckpointError` for a ``.metadata`` the restricted unpickler refuses; otherwise
     returns the problems (empty when whole): whether a ``torch_dist`` checkpoint's DCP
-    metadata is present, safe to read and describes a whole checkpoint made of the manifest's files."""
+    metadata is present, safe to read and describes a whole checkpoint made of the manifest's files (``stored``:
+    their sizes as listed where they are not under ``ckpt_dir``, as in :func:`storage_problems`)."""
     md_path = ckpt_dir / DCP_METADATA_FILENAME
     if DCP_METADATA_FILENAME not in manifest.files:
         return [f"{md_path}: torch_dist checkpoint whose manifest does not list DCP metadata"]
@@ -356,4 +357,4 @@ def dcp_problems(ckpt_dir: Path, manifest: Manifest) -> list[str]:
         raise
     except CheckpointError as exc:
         return [str(exc)]
-    return storage_problems(ckpt_dir, metadata, manifest.files, manifest.saved_keys)
+    return storage_problems(ckpt_dir, metadata, manifest.files, manifest.saved_keys, stored)

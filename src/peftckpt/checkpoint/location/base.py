@@ -23,6 +23,7 @@ from ..errors import CheckpointError
 
 if TYPE_CHECKING:
     from ..collectives import Collectives
+    from ..storage.checkpoint_files import CheckpointFiles
     from ..storage.manifest import Manifest
 
 __all__ = ["Location", "SaveTarget", "Held", "CommittedCopy"]
@@ -249,12 +250,13 @@ class Location(ABC):
 
     # ---------------------------------------------------------------------------------------- loads
     fetched_to_read: ClassVar[bool] = False
-    """Whether a load reads a local copy of the checkpoint (:meth:`fetched`) rather than the location itself."""
+    """Whether a load reads the checkpoint through files the location gives it (:meth:`fetched`) rather than the
+    location itself."""
 
     @contextlib.contextmanager
-    def fetched(self, comm: Collectives, rel: str, iteration: int) -> Iterator[tuple[Path, str]]:
-        """Collective (where :attr:`fetched_to_read`): the committed checkpoint ``rel`` (resolved by
-        :func:`~.protocol.reading`) as a verified local copy, and the URL that names it."""
+    def fetched(self, comm: Collectives, rel: str, iteration: int) -> Iterator[CheckpointFiles]:
+        """Collective (where :attr:`fetched_to_read`): the files of the committed checkpoint ``rel`` (resolved by
+        :func:`~.protocol.reading`) as a load reads them, its small files verified in a local directory."""
         raise NotImplementedError(f"{type(self).__name__} is read in place")
         yield  # pragma: no cover - a generator, for the context manager
 

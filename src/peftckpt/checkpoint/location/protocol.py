@@ -25,7 +25,6 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
@@ -44,6 +43,7 @@ from .names import (
 
 if TYPE_CHECKING:
     from ..collectives import Collectives
+    from ..storage.checkpoint_files import CheckpointFiles
 
 __all__ = ["read_tracker", "parse_tracker", "write_tracker", "list_committed", "resolve", "reading", "committed_copy",
            "claim", "unclaim", "in_progress", "clean", "commit", "apply_retention"]
@@ -205,15 +205,15 @@ _IN_PROGRESS_GUARD = threading.Lock()
 
 
 @contextlib.contextmanager
-def reading(loc: Location, comm: Collectives) -> Iterator[tuple[Path, str | None]]:
-    """Collective: a local directory a load reads the committed checkpoint ``loc`` designates from, and the URL to
-    name it by when that directory is a verified copy (``None``: the location itself is read, and the load
-    resolves it). A location read through a copy is resolved by rank 0 (its warnings said there), its error
+def reading(loc: Location, comm: Collectives) -> Iterator[CheckpointFiles | None]:
+    """Collective: the files a load reads the committed checkpoint ``loc`` designates from, where they are not the
+    location itself (``None``: a directory, read in place, which the load resolves). A location read through a local
+    directory of its own (a store's: its small files, or a verified copy) is resolved by rank 0 (its warnings said there), its error
     raised on every rank with its type -- a caller tells "no checkpoint yet" (:class:`CheckpointNotFoundError`, a
     first ``--load`` that starts from scratch) from a real failure the same way on every rank -- and then fetched
     (:meth:`Location.fetched`)."""
     if not loc.fetched_to_read:
-        yield Path(loc.text), None
+        yield None
         return
     resolved: tuple[str, int] | CheckpointError | None = None
     if comm.rank == 0:
@@ -230,8 +230,8 @@ def reading(loc: Location, comm: Collectives) -> Iterator[tuple[Path, str | None
         resolved.every_rank = True
         raise resolved
     assert resolved is not None
-    with loc.fetched(comm, *resolved) as (local, url):
-        yield local, url
+    with loc.fetched(comm, *resolved) as files:
+        yield files
 
 
 def committed_copy(loc: Location) -> CommittedCopy:

@@ -36,14 +36,18 @@ from typing import TYPE_CHECKING, ClassVar
 from ..checks.load_checks import damaged
 from ..errors import CheckpointError
 from ..faults import fault_point
+from ..storage.checkpoint_files import CheckpointFiles
+from ..storage.checksums import is_data_file
+from ..storage.formats import storage_format
 from ..storage.manifest import Manifest
 from ..storage.object_store import ObjectStore, store_error
 from . import protocol
 from .base import CommittedCopy, Held, Location, SaveTarget
 from .dir_lock import acquire_save_lock
 from .names import MANIFEST_FILENAME, STAGING_PREFIX, iteration_dirname
-from .store_fetch import fetch_files, listed_problems, read_remote_manifest
+from .store_fetch import fetch_files, list_checked, listed_problems, read_remote_manifest
 from .store_lease import acquire_remote_lock, check_lease
+from .store_reads import StoreFiles
 
 if TYPE_CHECKING:
     from ..collectives import Collectives
@@ -245,38 +249,61 @@ class StorePrefix(Location):
     fetched_to_read = True
 
     @contextlib.contextmanager
-    def fetched(self, comm: Collectives, rel: str, iteration: int) -> Iterator[tuple[Path, str]]:
+    def fetched(self, comm: Collectives, rel: str, iteration: int) -> Iterator[CheckpointFiles]:
         """Steps (the checkpoint ``rel`` resolved by rank 0, see :func:`~.protocol.reading`):
-            1. The lowest rank of each host downloads every recorded object into a fresh directory, hashing it as it
-               streams; any damaged, missing or unlisted object fails the load on every rank, named by its URL.
-            2. The caller loads the local copy; library errors naming the copy name the URL instead.
-            3. Once every rank is done, the downloading ranks delete their copies.
+            1. Rank 0 reads the manifest and lists the checkpoint's objects -- one LIST per load, whatever the world
+               size -- checks the listing against the manifest and tells every rank.
+            2. The lowest rank of each host fetches into a fresh directory, hashing each object as it streams: for a
+               format read by ranges (``torch_dist``) only the small files (manifest, ``.metadata``) -- every rank
+               then reads the data objects where they lie, by ranged GETs of the bytes it needs, verified as they
+               are read (:mod:`~.store_reads`) -- else every recorded object. Any missing, resized, damaged or
+               unlisted object fails the load on every rank, named by its URL.
+            3. The caller loads; library errors naming the local directory name the URL instead.
+            4. Once every rank is done, the local directories are deleted.
         """
-        token = comm.broadcast_from_first(secrets.token_hex(6))
         url = self.store.url_of(rel)
+        found: tuple[str, bytes, tuple[dict[str, int], dict[str, str]]] | CheckpointError | None = None
+        if comm.rank == 0:  # 1.
+            try:
+                manifest, data = read_remote_manifest(self.store, rel)
+                found = (secrets.token_hex(6), data, list_checked(self.store, rel, manifest))
+            except CheckpointError as e:
+                found = e
+        found = comm.broadcast_from_first(found)
+        if isinstance(found, CheckpointError):
+            found.every_rank = True
+            raise found
+        assert found is not None
+        token, data, listed = found
+        manifest = Manifest.from_json(data, self.store.url_of(f"{rel}/{MANIFEST_FILENAME}"))  # type: ignore[arg-type]
+        in_place = _reads_by_range(manifest)
         hosts = comm.gather(socket.gethostname())
         downloads = hosts.index(hosts[comm.rank]) == comm.rank
         local = cache_root() / "fetch" / token / iteration_dirname(iteration)
-        problems: list[str] = []
+        problems = list(listed[1].values())
         error = None
-        if downloads:  # 1.
+        if downloads:  # 2.
             try:
-                problems = self._download(rel, local)[1]
+                problems = fetch_files(self.store, rel, manifest, local, listed,
+                                       only=(lambda name: not is_data_file(name)) if in_place else None)
+                (local / MANIFEST_FILENAME).write_bytes(data)
             except (CheckpointError, OSError) as e:
                 error = e
         comm.agree(error)
         bad = sorted({p for ps in comm.gather(problems) for p in ps})
+        files = StoreFiles(local, self.store, rel, listed[0]) if in_place else CheckpointFiles(local, url, hashed=True)
         try:
             raised = damaged(url, bad)  # type: ignore[arg-type]
             if raised is not None:
                 raised.every_rank = True
                 raise raised
             try:
-                yield local, url  # 2.
+                yield files  # 3.
             except BaseException as e:
                 raise renamed_error(e, local, url) from None
         finally:
-            comm.barrier()  # 3.
+            files.close()
+            comm.barrier()  # 4.
             if downloads:
                 shutil.rmtree(local.parent, ignore_errors=True)
 
@@ -295,6 +322,14 @@ class StorePrefix(Location):
         problems = fetch_files(self.store, rel, manifest, local)
         (local / MANIFEST_FILENAME).write_bytes(data)
         return manifest, problems
+
+
+def _reads_by_range(manifest: Manifest) -> bool:
+    """Whether the checkpoint's format reads its data files by ranges (else a load reads a local copy)."""
+    try:
+        return storage_format(manifest.format, "").reads_by_range
+    except CheckpointError:  # unknown: the load says so, from the copy
+        return False
 
 
 def clean_uncommitted(store: ObjectStore | StorePrefix) -> list[str]:

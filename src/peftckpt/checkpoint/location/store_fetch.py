@@ -8,6 +8,7 @@ and reports each missing, resized, damaged or unlisted object by its URL -- the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from peftckpt.checkpoint.storage.checksums import new_digest
 from peftckpt.checkpoint.storage.manifest import MANIFEST_MAX_BYTES, Manifest
 from peftckpt.checkpoint.storage.object_store import ObjectStore, store_error
 
-__all__ = ["read_remote_manifest", "listed_problems", "fetch_files"]
+__all__ = ["read_remote_manifest", "list_checked", "listed_problems", "fetch_one", "fetch_files"]
 
 _TRANSFER_THREADS = 8
 
@@ -38,7 +39,7 @@ def read_remote_manifest(store: ObjectStore, rel: str) -> tuple[Manifest, bytes]
     return Manifest.from_json(data, url), data  # type: ignore[arg-type]
 
 
-def _fetch_one(store: ObjectStore, rel: str, name: str, expected: dict, algorithm: str, into: Path | None
+def fetch_one(store: ObjectStore, rel: str, name: str, expected: dict, algorithm: str, into: Path | None
                ) -> str | None:
     url = store.url_of(f"{rel}/{name}" if rel else name)
     digest = new_digest(algorithm)
@@ -80,25 +81,37 @@ def listed_problems(store: ObjectStore, rel: str, manifest: Manifest, stored: di
     return problems
 
 
-def fetch_files(store: ObjectStore, rel: str, manifest: Manifest, into: Path | None) -> list[str]:
-    """Stream every object the manifest records for checkpoint ``rel`` -- into the directory ``into``, or only
-    through the hash when ``into`` is ``None`` -- and return one problem per bad object (empty: intact).
-
-    Reported: a recorded object that is missing, of another size, or whose checksum differs, and an object
-    below ``rel`` that the manifest does not list."""
+def list_checked(store: ObjectStore, rel: str, manifest: Manifest) -> tuple[dict[str, int], dict[str, str]]:
+    """One LIST of the checkpoint ``rel``: ``({name: size}, {name: problem})`` (:func:`listed_problems`); a
+    listing that fails is one problem naming the checkpoint."""
     try:
         new_digest(manifest.checksum_algorithm)
         stored = store.list_files(rel)
     except CheckpointError as e:
-        return [f"{store.url_of(rel)}: {e}"]
+        return {}, {"": f"{store.url_of(rel)}: {e}"}
     except Exception as e:  # noqa: BLE001
         raise store_error(e, store.url_of(rel), "the checkpoint") from None
-    problems = listed_problems(store, rel, manifest, stored)
-    to_fetch = [name for name in sorted(manifest.files) if name not in problems]
+    return stored, listed_problems(store, rel, manifest, stored)
+
+
+def fetch_files(store: ObjectStore, rel: str, manifest: Manifest, into: Path | None,
+                listed: tuple[dict[str, int], dict[str, str]] | None = None, only: Callable[[str], bool] | None = None
+                ) -> list[str]:
+    """Stream every object the manifest records for checkpoint ``rel`` (``only``: those it accepts) -- into the
+    directory ``into``, or only through the hash when ``into`` is ``None`` -- and return one problem per bad object
+    (empty: intact).
+
+    Reported: a recorded object that is missing, of another size, or whose checksum differs, and an object
+    below ``rel`` that the manifest does not list (``listed``: :func:`list_checked`'s answer, if already taken)."""
+    _, problems = list_checked(store, rel, manifest) if listed is None else listed
+    problems = dict(problems)
+    if "" in problems:  # not listed at all
+        return [problems[""]]
+    to_fetch = [name for name in sorted(manifest.files) if name not in problems and (only is None or only(name))]
     if into is not None:
         into.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=max(1, min(_TRANSFER_THREADS, len(to_fetch)))) as pool:
-        found = pool.map(lambda n: _fetch_one(store, rel, n, manifest.files[n], manifest.checksum_algorithm, into),
+        found = pool.map(lambda n: fetch_one(store, rel, n, manifest.files[n], manifest.checksum_algorithm, into),
                          to_fetch)
         for name, problem in zip(to_fetch, found):
             if problem is not None:

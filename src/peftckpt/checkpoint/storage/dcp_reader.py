@@ -31,7 +31,7 @@ import io
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from .byte_sources import ByteSource, FileSource
 from .framing import (
     BLOCK_BYTES,
     INDEX_ALGORITHM,
@@ -55,7 +56,6 @@ from .framing import (
     read_index,
     tensor_bytes,
 )
-from .preads import read_exactly
 from .safe_pickle import SafeFileSystemReader, _SafeBytesPlanner
 
 __all__ = ["RangedFileSystemReader", "has_block_index"]
@@ -119,9 +119,12 @@ def _digests(segments: Sequence[memoryview], sizes: Sequence[int]) -> list[int]:
 class RangedFileSystemReader(SafeFileSystemReader):
     """``SafeFileSystemReader`` reading requested regions in place, verified by block (module docstring)."""
 
-    def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], verify: bool = True,
+                 sources: Callable[[str], ByteSource] | None = None) -> None:
         super().__init__(path)
         self.verify = verify
+        self._sources = sources
+        """Opens a data file (by its name in the checkpoint) elsewhere than under ``path``: on an object store."""
         self.problems: list[str] = []
         """Damage found while reading: one message per damaged file region."""
         self.bytes_read = 0
@@ -146,57 +149,83 @@ class RangedFileSystemReader(SafeFileSystemReader):
         stock: list[ReadItem] = []
         with ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="peftckpt-read") as pool:
             for rel, items in per_file.items():
-                path = Path(str(self.fs.concat_path(self.path, rel)))
-                fd = os.open(path, os.O_RDONLY)
+                source = self._open(rel)
                 try:
-                    index = self._index(fd, path)
-                    items = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
-                    jobs: list[tuple[ReadItem, PoolFuture[Any]]] = []
-                    for item in items:
-                        entry = self._entry(index, item)
-                        if entry is None:
-                            stock.append(item)
-                        elif item.type == LoadItemType.BYTE_IO:
-                            jobs.append((item, pool.submit(self._read_whole, fd, path, item, entry)))
-                        elif entry.data_length == 0 and entry.data_offset == entry.offset + entry.length:
-                            # a tensor torch.save framed (too large, or an unusual dtype): whole, one at a time
-                            blob = self._read_whole(fd, path, item, entry)
-                            if blob is None:
-                                continue
-                            stored = torch.load(blob, map_location="cpu", weights_only=True)
-                            target = planner.resolve_tensor(item).detach()
-                            target.copy_(narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
-                            planner.commit_tensor(item, target)
-                            del stored
-                        else:
-                            target = planner.resolve_tensor(item).detach()
-                            if self._direct(item, entry, target):
-                                jobs.append((item, pool.submit(self._read_tensor, fd, path, item, entry, target)))
-                            else:  # through a buffer the size of the span: one at a time bounds the memory
-                                planner.commit_tensor(item, self._read_tensor(fd, path, item, entry, target))
-                    for item, job in jobs:  # the planner is told in order, on this thread
-                        value = job.result()
-                        if value is None:  # damaged (reported): nothing of it is parsed
-                            continue
-                        if item.type == LoadItemType.BYTE_IO:
-                            safe.load_bytes(item, value)
-                        else:
-                            planner.commit_tensor(item, value)
+                    stock += self._read_file(source, items, planner, safe, pool)
                 finally:
-                    os.close(fd)
+                    source.close()
         if stock:
             super().read_data(replace(plan, items=stock), planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
+    def _open(self, rel: str) -> ByteSource:
+        return FileSource(Path(str(self.fs.concat_path(self.path, rel)))) if self._sources is None else \
+            self._sources(rel)
+
+    def _read_file(self, source: ByteSource, items: list[ReadItem], planner: LoadPlanner, safe: LoadPlanner,
+                   pool: ThreadPoolExecutor) -> list[ReadItem]:
+        """Read ``items`` of one data file; returns those left to the stock reader (a local file's items its
+        index does not list)."""
+        index = self._index(source)
+        items = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
+        entries = [self._entry(index, item) for item in items]
+        source.expect([self._range(item, entry) for item, entry in zip(items, entries)
+                       if entry is not None or self._sources is not None])
+        stock: list[ReadItem] = []
+        jobs: list[tuple[ReadItem, PoolFuture[Any]]] = []
+        for item, entry in zip(items, entries):
+            if entry is None and self._sources is None:
+                stock.append(item)
+            elif entry is None:  # not indexed, on a store: the item's stored bytes, loaded safely
+                info = cast(_StorageInfo, self.storage_data[item.storage_index])
+                if info.transform_descriptors:
+                    raise ValueError(f"{source.name}: {item.storage_index.fqn!r} is stored with transforms "
+                                     f"{list(info.transform_descriptors)}, which are read from local files only")
+                self._load_record(item, self._read_exact(source, item, info.offset, info.length), planner, safe)
+            elif item.type == LoadItemType.BYTE_IO:
+                jobs.append((item, pool.submit(self._read_whole, source, item, entry)))
+            elif entry.data_length == 0 and entry.data_offset == entry.offset + entry.length:
+                # a tensor torch.save framed (too large, or an unusual dtype): whole, one at a time
+                self._load_record(item, self._read_whole(source, item, entry), planner, safe)
+            else:
+                target = planner.resolve_tensor(item).detach()
+                if self._direct(item, entry, target):
+                    jobs.append((item, pool.submit(self._read_tensor, source, item, entry, target)))
+                else:  # through a buffer the size of the span: one at a time bounds the memory
+                    planner.commit_tensor(item, self._read_tensor(source, item, entry, target))
+        for item, job in jobs:  # the planner is told in order, on this thread
+            value = job.result()
+            if value is None:  # damaged (reported): nothing of it is parsed
+                continue
+            if item.type == LoadItemType.BYTE_IO:
+                safe.load_bytes(item, value)
+            else:
+                planner.commit_tensor(item, value)
+        return stock
+
+    def _load_record(self, item: ReadItem, blob: io.BytesIO | None, planner: LoadPlanner, safe: LoadPlanner
+                     ) -> None:
+        """Hand the planner an item read whole: an object (loaded safely), or a ``torch.save`` record narrowed to
+        the requested region (``blob`` ``None``: damaged, reported)."""
+        if blob is None:
+            return
+        if item.type == LoadItemType.BYTE_IO:
+            safe.load_bytes(item, blob)
+            return
+        stored = torch.load(blob, map_location="cpu", weights_only=True)
+        target = planner.resolve_tensor(item).detach()
+        target.copy_(narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
+        planner.commit_tensor(item, target)
+
     # ------------------------------------------------------------------------------------------- lookup
-    def _index(self, fd: int, path: Path) -> dict[int, IndexedItem] | None:
+    def _index(self, source: ByteSource) -> dict[int, IndexedItem] | None:
         try:
-            return read_index(fd, os.fstat(fd).st_size, self.verify)
+            return read_index(source.read, source.size, self.verify)
         except BlockIndexError as e:
             if self.verify:
-                self.problems.append(f"{path}: {e}")
+                self.problems.append(f"{source.name}: {e}")
             return None
 
     def _entry(self, index: dict[int, IndexedItem] | None, item: ReadItem) -> IndexedItem | None:
@@ -220,7 +249,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
         with self._lock:
             self.bytes_read += n
 
-    def _check(self, path: Path, what: str, entry: IndexedItem, positions: Sequence[int], got: Sequence[int]) -> None:
+    def _check(self, path: str, what: str, entry: IndexedItem, positions: Sequence[int], got: Sequence[int]) -> None:
         for pos, digest in zip(positions, got):
             expected = entry.digests[pos]
             if digest != expected:
@@ -229,19 +258,39 @@ class RangedFileSystemReader(SafeFileSystemReader):
                                      f"({part} of the item at offset {entry.offset}): expected {expected:016x}, "
                                      f"got {digest:016x}")
 
-    def _read_whole(self, fd: int, path: Path, item: ReadItem, entry: IndexedItem) -> io.BytesIO | None:
-        """An item read whole (an object, or a tensor ``torch.save`` framed); ``None`` if it fails its digest."""
-        data = bytearray(entry.length)
-        n = read_exactly(fd, [memoryview(data)], entry.offset)
+    def _read_exact(self, source: ByteSource, item: ReadItem, offset: int, length: int) -> io.BytesIO:
+        """``length`` bytes of ``item`` at ``offset``, all of them or ``EOFError``."""
+        data = bytearray(length)
+        n = source.read_into([memoryview(data)], offset)
         self._count(n)
-        if n != entry.length:
-            raise EOFError(f"{path}: {entry.length} bytes of {item.storage_index.fqn!r} expected, {n} read")
+        if n != length:
+            raise EOFError(f"{source.name}: {length} bytes of {item.storage_index.fqn!r} expected, {n} read")
+        return io.BytesIO(data)
+
+    def _read_whole(self, source: ByteSource, item: ReadItem, entry: IndexedItem) -> io.BytesIO | None:
+        """An item read whole (an object, or a tensor ``torch.save`` framed); ``None`` if it fails its digest."""
+        blob = self._read_exact(source, item, entry.offset, entry.length)
         if self.verify:
             before = len(self.problems)
-            self._check(path, repr(item.storage_index.fqn), entry, [0], [xxhash.xxh3_64_intdigest(data)])
+            self._check(source.name, repr(item.storage_index.fqn), entry, [0],
+                        [xxhash.xxh3_64_intdigest(blob.getbuffer())])
             if len(self.problems) > before:
                 return None
-        return io.BytesIO(bytes(data))
+        return blob
+
+    def _range(self, item: ReadItem, entry: IndexedItem | None) -> tuple[int, int]:
+        """The ``[start, end)`` of the file that reading ``item`` covers (what a source is told to expect)."""
+        if entry is None:
+            info = cast(_StorageInfo, self.storage_data[item.storage_index])
+            return info.offset, info.offset + info.length
+        opaque = entry.data_length == 0 and entry.data_offset == entry.offset + entry.length
+        if item.type == LoadItemType.BYTE_IO or opaque:
+            return entry.offset, entry.offset + entry.length
+        dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
+        span = self._span(entry, item, dtype, sizes)[0]
+        if span.start == 0 and span.end == entry.data_length:
+            return entry.offset, entry.offset + entry.length
+        return entry.data_offset + span.block_start, entry.data_offset + span.block_end
 
     def _span(self, entry: IndexedItem, item: ReadItem, dtype: torch.dtype, sizes: list[int]) -> tuple[_Span, bool]:
         """The data bytes holding the requested region, and whether the region is exactly those bytes."""
@@ -261,7 +310,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
         contiguous = self._span(entry, item, dtype, sizes)[1]
         return contiguous and target.dtype == dtype and target.is_cpu and target.is_contiguous()
 
-    def _read_tensor(self, fd: int, path: Path, item: ReadItem, entry: IndexedItem, target: torch.Tensor
+    def _read_tensor(self, source: ByteSource, item: ReadItem, entry: IndexedItem, target: torch.Tensor
                      ) -> torch.Tensor:
         dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
         span, contiguous = self._span(entry, item, dtype, sizes)
@@ -274,7 +323,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
                 offsets = [item.storage_offsets[0] + first, *item.storage_offsets[1:]]
                 part = replace(item, storage_offsets=torch.Size(offsets),
                                lengths=torch.Size([n, *item.lengths[1:]]))
-                self._read_tensor(fd, path, part, entry, target.narrow(0, first, n))
+                self._read_tensor(source, part, entry, target.narrow(0, first, n))
             return target
 
         whole = span.start == 0 and span.end == entry.data_length
@@ -290,13 +339,13 @@ class RangedFileSystemReader(SafeFileSystemReader):
         bounce = None if direct else self._bounce(span.end - span.start)
         body = tensor_bytes(target if bounce is None else bounce)  # the destination's memory, or the bounce's
         expected = head_len + len(body) + tail_len
-        n = read_exactly(fd, [head, body, tail], at)
+        n = source.read_into([head, body, tail], at)
         self._count(n)
         if n != expected:
-            raise EOFError(f"{path}: {expected} bytes of {item.storage_index.fqn!r} at offset {at} expected, "
+            raise EOFError(f"{source.name}: {expected} bytes of {item.storage_index.fqn!r} at offset {at} expected, "
                            f"{n} read")
         if self.verify:
-            self._verify(path, item, entry, span, whole, [head, body, tail])
+            self._verify(source.name, item, entry, span, whole, [head, body, tail])
         if bounce is not None:
             typed = bounce.view(dtype) if bounce.numel() else torch.empty(0, dtype=dtype)
             strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
@@ -314,7 +363,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
             self._buffer = torch.empty(_BOUNCE_BYTES, dtype=torch.uint8)
         return self._buffer[:nbytes]
 
-    def _verify(self, path: Path, item: ReadItem, entry: IndexedItem, span: _Span, whole: bool,
+    def _verify(self, path: str, item: ReadItem, entry: IndexedItem, span: _Span, whole: bool,
                 segments: list[memoryview]) -> None:
         blocks = list(range(span.first, span.last))
         sizes = [min(BLOCK_BYTES, entry.data_length - b * BLOCK_BYTES) for b in blocks]

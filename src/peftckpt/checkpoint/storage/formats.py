@@ -38,6 +38,7 @@ from ..faults import fault_hook, fault_point
 from ..gc_pause import paused_gc
 from ..options import SaveOptions
 from ..snapshot import host_copy
+from .byte_sources import ByteSource
 from .checksums import ChecksummingFileSystem
 from .dcp_reader import RangedFileSystemReader
 from .dcp_writer import FramedFileSystemWriter, save_state_dict
@@ -132,6 +133,9 @@ class StorageFormat(Protocol):
     """Loads at any layout (and serves as a base for ``load_pretrained`` and the offline tools)."""
     hashes_while_reading: ClassVar[bool]
     """A load can hash its data files while it reads them (else they are verified first)."""
+    reads_by_range: ClassVar[bool]
+    """A load reads byte ranges of the data files, through ``open``'s ``sources`` where given (else a location
+    that keeps the files elsewhere fetches a local copy first)."""
     holds_trainable_only: ClassVar[bool]
     """Can hold a trainable-only checkpoint (its tensors keep ``requires_grad``, which selects them)."""
     writes_async: ClassVar[bool]
@@ -157,15 +161,19 @@ class StorageFormat(Protocol):
         ...
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
-             group: dist.ProcessGroup | None, verify: bool = True) -> StoredCheckpoint:
+             group: dist.ProcessGroup | None, verify: bool = True,
+             sources: Callable[[str], ByteSource] | None = None) -> StoredCheckpoint:
         """Open the committed checkpoint ``root`` for a load by the rank at ``coords`` of ``layout`` (raises
         ``CheckpointMismatchError`` where the format cannot load at that layout). ``verify``: check what is read
-        against digests recorded with it, where the format records them (else the caller hashed the files)."""
+        against digests recorded with it, where the format records them (else the caller hashed the files).
+        ``sources``: opens a data file by name where it is not under ``root`` (formats that ``reads_by_range``)."""
         ...
 
-    def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
+    def structure_problems(self, root: Path, manifest: Manifest, stored: Mapping[str, int] | None = None
+                           ) -> list[str]:
         """Offline check of the stored structure against the manifest (raises ``UnsafeCheckpointError`` for
-        metadata that must not be used at all)."""
+        metadata that must not be used at all). ``stored``: the data files' sizes where they are not under
+        ``root``."""
         ...
 
     def list_keys(self, root: Path, problems: list[str]) -> KeyListing:
@@ -198,6 +206,7 @@ class TorchDistFormat:
     holds_states: ClassVar[bool] = True
     reshards: ClassVar[bool] = True
     hashes_while_reading: ClassVar[bool] = True
+    reads_by_range: ClassVar[bool] = True
     holds_trainable_only: ClassVar[bool] = True
     writes_async: ClassVar[bool] = True
 
@@ -271,11 +280,13 @@ class TorchDistFormat:
             return [str(e)]
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
-             group: dist.ProcessGroup | None, verify: bool = True) -> StoredCheckpoint:
-        return _DcpCheckpoint(root, group, verify)
+             group: dist.ProcessGroup | None, verify: bool = True,
+             sources: Callable[[str], ByteSource] | None = None) -> StoredCheckpoint:
+        return _DcpCheckpoint(RangedFileSystemReader(root, verify, sources), group)
 
-    def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
-        return dcp_problems(root, manifest)
+    def structure_problems(self, root: Path, manifest: Manifest, stored: Mapping[str, int] | None = None
+                           ) -> list[str]:
+        return dcp_problems(root, manifest, stored)
 
     def list_keys(self, root: Path, problems: list[str]) -> KeyListing:
         return list_dcp_keys(root, problems)
@@ -287,8 +298,8 @@ class _DcpCheckpoint:
 
     per_rank = False
 
-    def __init__(self, root: Path, group: dist.ProcessGroup | None, verify: bool) -> None:
-        self._reader = RangedFileSystemReader(root, verify)
+    def __init__(self, reader: RangedFileSystemReader, group: dist.ProcessGroup | None) -> None:
+        self._reader = reader
         self._group = group
         stored = self._reader.read_metadata().state_dict_metadata
         self.tensor_shapes: dict[str, list[int] | None] = {
@@ -309,6 +320,7 @@ class LegacyTorchFormat:
     holds_states: ClassVar[bool] = False
     reshards: ClassVar[bool] = False
     hashes_while_reading: ClassVar[bool] = False
+    reads_by_range: ClassVar[bool] = False
     holds_trainable_only: ClassVar[bool] = False  # saves detached tensors: requires_grad is lost
     writes_async: ClassVar[bool] = False
 
@@ -328,10 +340,12 @@ class LegacyTorchFormat:
         return []  # each file is one rank's whole state; the manifest's checksums cover them
 
     def open(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int],
-             group: dist.ProcessGroup | None, verify: bool = True) -> StoredCheckpoint:
+             group: dist.ProcessGroup | None, verify: bool = True,
+             sources: Callable[[str], ByteSource] | None = None) -> StoredCheckpoint:
         return LegacyRankFile(root, manifest, layout, coords)
 
-    def structure_problems(self, root: Path, manifest: Manifest) -> list[str]:
+    def structure_problems(self, root: Path, manifest: Manifest, stored: Mapping[str, int] | None = None
+                           ) -> list[str]:
         return []
 
     def list_keys(self, root: Path, problems: list[str]) -> KeyListing:

@@ -29,7 +29,7 @@ import json
 import os
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any, cast
@@ -204,22 +204,37 @@ class BlockIndexError(ValueError):
     """A data file's block index is present but damaged."""
 
 
-def ends_with_index(fd: int, size: int) -> bool:
-    """Whether the file open as ``fd`` (``size`` bytes) ends with a block index footer (not checked further)."""
-    return size >= _FOOTER.size and os.pread(fd, _FOOTER.size, size - _FOOTER.size)[-len(_MAGIC):] == _MAGIC
+Pread = Callable[[int, int], bytes]
+"""``read(nbytes, offset)``: positional reads of one data file (a local file's ``os.pread``, or a ranged GET)."""
 
 
-def read_index(fd: int, size: int, verify: bool) -> dict[int, IndexedItem] | None:
-    """The block index of the data file open as ``fd`` (``size`` bytes), by item offset; ``None`` when the file
-    has none (written by stock DCP or an earlier peftckpt). Raises :class:`BlockIndexError` for a damaged one."""
+def ends_with_index(fd: int | Pread, size: int) -> bool:
+    """Whether the file open as ``fd`` (or read by ``fd(nbytes, offset)``; ``size`` bytes) ends with a block index
+    footer (not checked further)."""
+    read = _pread(fd)
+    return size >= _FOOTER.size and read(_FOOTER.size, size - _FOOTER.size)[-len(_MAGIC):] == _MAGIC
+
+
+def _pread(fd: int | Pread) -> Pread:
+    return fd if callable(fd) else (lambda n, offset: os.pread(fd, n, offset))
+
+
+def read_index(fd: int | Pread, size: int, verify: bool) -> dict[int, IndexedItem] | None:
+    """The block index of the data file open as ``fd`` (or read by ``fd(nbytes, offset)``; ``size`` bytes), by item
+    offset; ``None`` when the file has none (written by stock DCP or an earlier peftckpt). Raises
+    :class:`BlockIndexError` for a damaged one."""
     if size < _FOOTER.size:
         return None
-    length, digest, magic = _FOOTER.unpack(os.pread(fd, _FOOTER.size, size - _FOOTER.size))
+    read = _pread(fd)
+    footer = read(_FOOTER.size, size - _FOOTER.size)
+    if len(footer) != _FOOTER.size:
+        raise BlockIndexError(f"{len(footer)} bytes of its footer read, {_FOOTER.size} expected")
+    length, digest, magic = _FOOTER.unpack(footer)
     if magic != _MAGIC:
         return None
     if length > min(_INDEX_MAX_BYTES, size - _FOOTER.size):
         raise BlockIndexError(f"block index of {length} bytes in a file of {size}")
-    body = os.pread(fd, length, size - _FOOTER.size - length)
+    body = read(length, size - _FOOTER.size - length)
     if verify and xxhash.xxh3_64_intdigest(body) != digest:
         raise BlockIndexError(f"{INDEX_ALGORITHM} checksum mismatch of its block index")
     try:
