@@ -148,6 +148,11 @@ def report(r: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     for name, counts in r.get("s3_requests", {}).items():
         lines.append(f"| S3 requests of one trainable-only {name} (by operation, server's log) | "
                      + ", ".join(f"{op} {k}" for op, k in counts.items()) + " |")
+    if "s3_load_bytes" in r:
+        lb = r["s3_load_bytes"]
+        lines.append("| S3 load: bytes fetched per rank (ranged GETs) / the checkpoint's bytes | "
+                     + ", ".join(f"{b / lb['checkpoint']:.3f}" for b in lb["fetched_per_rank"])
+                     + f" (of {lb['checkpoint'] / 1e6:.1f} MB) |")
     lines.append(f"| checksums of the full checkpoint's files (standalone) | {_cell(rows['ours_full']['checksum'])} |")
     if "train_loop" in r:
         tl = r["train_loop"]

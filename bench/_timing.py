@@ -61,6 +61,14 @@ class Ctx:
         if self.distributed:
             dist.barrier()
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order."""
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
     def slowest(self, seconds: float) -> float:
         if not self.distributed:
             return seconds

@@ -369,8 +369,11 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
                                 "load": small_loads["s3_trainable"].to_dict()}
         rows["s3_plain"] = {"save": small["s3_plain"].to_dict(), "bytes": rows["ours_trainable"]["bytes"],
                             "load": small_loads["s3_plain"].to_dict()}
+        loaded: list[Any] = []
         out["s3_requests"] = s3_requests(ctx, lambda: ck.save(s3_url(n), 1, OBJECTS, options["trainable"]),
-                                         lambda: ck.load(s3_url(n)))
+                                         lambda: loaded.append(ck.load(s3_url(n))))
+        out["s3_load_bytes"] = {"fetched_per_rank": ctx.gather(loaded[0].bytes_fetched),
+                                "checkpoint": rows["ours_trainable"]["bytes"]}
         if ctx.rank == 0:
             _s3.drop(s3_url(n - 1))
             _s3.drop(s3_url(n))

@@ -75,6 +75,9 @@ def _check(r: dict[str, Any], repeats: int, layout: dict[str, int], hf: bool = T
     requests = r["s3_requests"]
     assert requests["save"]["PUT"] >= 3 and requests["load"]["GET"] >= 3, requests
     assert requests["save"].get("LIST", 0) <= 4 and requests["load"].get("LIST", 0) <= 4, requests
+    # the load read the data objects in place: every rank fetched its share of the checkpoint, not all of it
+    load_bytes = r["s3_load_bytes"]
+    assert 0 < sum(load_bytes["fetched_per_rank"]) <= 1.02 * load_bytes["checkpoint"], load_bytes
     # sizes: the adapter without its optimizer < adapter + Adam state < the whole model
     full, trainable, model_only = (rows[f"ours_{k}"]["bytes"] for k in ("full", "trainable", "model_only"))
     assert model_only < trainable < full

@@ -211,7 +211,7 @@ def test_a_damaged_base_gets_no_earlier_checkpoint(save: Path) -> None:
 def test_on_an_object_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                             capsys: pytest.CaptureFixture[str]) -> None:
     """The same through the Location abstraction on S3 (moto's server): the load names the earlier checkpoint by
-    URL (no last resort: a store's objects are always hashed as they are fetched), ``verify --all`` checks every
+    URL (no last resort: a store's objects are always verified as they are fetched or read), ``verify --all`` checks every
     one, and the copies it fetched to verify are deleted as it goes."""
     from ..s3_server import s3_server
 
@@ -228,8 +228,9 @@ def test_on_an_object_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             "the tracker names iteration 6")
         s3.flip_byte("damaged-newest/iter_0000006/__0_0.distcp")
         message = _load_error(url)
+        # read in place: the flipped byte (in the block index at the object's end) is found by the ranged read
         assert message.startswith(f"checkpoint {url}/iter_0000006 is damaged:\n  {url}/iter_0000006/__0_0.distcp: "
-                                  "xxh3_128 checksum mismatch")
+                                  "xxh3_64 checksum mismatch of its block index")
         assert message.endswith(f"\nthe newest intact earlier checkpoint in {url} is iteration 4: resume from it "
                                 f"explicitly with Checkpointer.load('{url}/iter_0000004') (a load never goes back to an "
                                 "earlier checkpoint by itself)")

@@ -40,7 +40,7 @@ def _damage_hint(message: str, path: str | os.PathLike[str], search_earlier: boo
     """What a damage error (``message``) of a load from ``path`` adds (one process): with ``search_earlier``, the
     newest intact checkpoint of the save location before the damaged one (verified, at most a few tried) or that
     there is none; skipping the checksums only as the last resort, where it could help (checksums failed, on a
-    directory: a store's objects are always hashed as they are fetched)."""
+    directory only: a store is not offered a load without verification)."""
     loc = locate(path, "checkpoint")
     checksums_help = loc.local_dir() is not None and "checksum mismatch" in message
     earlier: EarlierCheckpoints | None = None

@@ -17,8 +17,10 @@ Why a crash never loses the last good checkpoint here (the rules are :mod:`~.pro
 * Retention deletes a checkpoint's manifest first, so a half-deleted checkpoint is never taken for a committed one.
 
 The ranks write their files into a node-local *spool* (``<cache>/spool/<scheme>/<bucket>/<prefix>/``) and upload
-them from there; a load has one rank per host download the checkpoint into ``<cache>/fetch/<token>/``, every
-object hashed as it arrives and checked against the manifest, and loads that copy (deleted when the load ends).
+them from there. A load (:meth:`StorePrefix.fetched`) has one rank per host fetch the checkpoint's small files into
+``<cache>/fetch/<token>/`` (deleted when the load ends), every object hashed as it arrives and checked against the
+manifest and rank 0's listing; the data objects of a ``torch_dist`` checkpoint are read where they lie, by ranges
+(:mod:`~.store_reads`), a legacy checkpoint's downloaded whole.
 """
 
 from __future__ import annotations
