@@ -330,7 +330,9 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
         "raw_trainable": raw_read_step("trainable"),
         "ours_model_only": load("model_only", True),
         "ours_model_only_noverify": load("model_only", False),
-        **({"s3_trainable": ((lambda i: ck.load(s3_url(n - 1))), None), "s3_plain": s3_plain_get()}
+        **({"s3_trainable": ((lambda i: ck.load(s3_url(n - 1))), None), "s3_plain": s3_plain_get(),
+            "s3_plain_ranged": ((lambda i: plain_s3.get_ranged(*trainable_files(n - 1))
+                                 if plain_s3 is not None else None), None)}
            if s3_base else {}),
         **{f"peer_{k}": v for k, v in (peers.load_steps() if peers is not None else {}).items()},
     })
@@ -369,6 +371,7 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
                                 "load": small_loads["s3_trainable"].to_dict()}
         rows["s3_plain"] = {"save": small["s3_plain"].to_dict(), "bytes": rows["ours_trainable"]["bytes"],
                             "load": small_loads["s3_plain"].to_dict()}
+        out["s3_plain_ranged_load"] = small_loads["s3_plain_ranged"].to_dict()
         loaded: list[Any] = []
         out["s3_requests"] = s3_requests(ctx, lambda: ck.save(s3_url(n), 1, OBJECTS, options["trainable"]),
                                          lambda: loaded.append(ck.load(s3_url(n))))

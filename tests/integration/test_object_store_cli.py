@@ -9,6 +9,7 @@ missing bucket, missing credentials and bad URLs get one message.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +71,33 @@ def test_tp2_adapter_only_to_s3_resumes_bit_exactly(s3: S3Server, tp2_runs: Path
     assert first.keys() == resumed.keys() and any(k.startswith("optimizer.") for k in first)
     for k in first:
         assert torch.equal(first[k], resumed[k]), k
+
+
+def test_tp2_lora_from_a_torch_dist_base_on_the_store_is_the_local_base_run(s3: S3Server, tmp_path: Path) -> None:
+    """``--pretrained-checkpoint s3://...`` (a torch_dist base) is read where it lies: each TP rank fetches the rows
+    of its shards, not the base, and the run's adapters, Adam moments and base fingerprint are the run's from the
+    same base on local disk, bit for bit."""
+    wide = [*TINY, "--hidden-size", "512", "--ffn-hidden-size", "2048", "--num-layers", "2", "--vocab-size", "1024"]
+    base = tmp_path / "base"
+    peftckpt(["train", *wide, "--train-iters", "1", "--no-save-optim", "--save", str(base)])
+    s3.fs().put(str(base / "iter_0000001"), f"{BUCKET}/base/iter_0000001", recursive=True)
+    assert sorted(s3.keys("base")) == sorted(f"iter_0000001/{p.name}" for p in (base / "iter_0000001").iterdir())
+    data_bytes = sum(p.stat().st_size for p in (base / "iter_0000001").glob("*.distcp"))
+    said = {}
+    for name, where in (("local", str(base / "iter_0000001")), ("store", s3.url("base/iter_0000001"))):
+        run = peftckpt(["train", *wide, "--tensor-model-parallel-size", "2", *LORA, "--save-interval", "6",
+                        "--pretrained-checkpoint", where, "--save", str(tmp_path / name)], 2, extra_env=s3.env)
+        said[name] = run.stdout + run.stderr
+    fetched = re.search(r"rank 0 fetched ([\d,]+) bytes by ranged reads", said["store"])
+    assert fetched is not None, said["store"]
+    assert int(fetched.group(1).replace(",", "")) < 0.7 * data_bytes  # its shards (and the small replicated norms)
+    local, store = (read_dcp_tensors(tmp_path / name / "iter_0000006") for name in ("local", "store"))
+    assert local.keys() == store.keys() and any(k.startswith("optimizer.") for k in local)
+    for k in local:
+        assert torch.equal(local[k], store[k]), k
+    fingerprints = {json.loads((tmp_path / name / "iter_0000006" / "metadata.json").read_text())["base_fingerprint"]
+                    for name in ("local", "store")}
+    assert len(fingerprints) == 1
 
 
 def test_tools_read_s3(s3: S3Server, tp2_runs: Path, tmp_path: Path) -> None:

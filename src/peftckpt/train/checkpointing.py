@@ -23,6 +23,7 @@ from ..checkpoint.errors import (
 )
 from ..checkpoint.location.locate import locate, manifest_at, tracker_at
 from ..checkpoint.location.names import iteration_dirname
+from ..checkpoint.options import LoadResult
 from ..checkpoint.state.sections import DATA, ITERATION, MODEL, OPT_PARAM_SCHEDULER
 from ..model.config import GPTConfig, LoRAConfig
 from ..parallel.dims import ParallelDims, ParallelMeshes
@@ -75,7 +76,7 @@ def load_base(ckpt: Checkpointer, path: str, options: LoadOptions, then: Callabl
     from ..interop import HFModelDir, InteropError, is_hf_dir
 
     if not is_hf_dir(path):
-        return str(ckpt.load_pretrained(path, options, then).path)
+        return described(ckpt.load_pretrained(path, options, then))
     try:
         hf = HFModelDir(path)
     except InteropError as e:
@@ -86,6 +87,19 @@ def load_base(ckpt: Checkpointer, path: str, options: LoadOptions, then: Callabl
                            lambda key, offsets, out: hf.read_into(key.removeprefix(f"{MODEL}."), offsets, out),
                            then)
     return f"{path} (HF safetensors)"
+
+
+def described(result: LoadResult) -> str:
+    """The checkpoint a load read, and the bytes it fetched from a store where it read one in place."""
+    if result.bytes_fetched is None:
+        return str(result.path)
+    return f"{result.path} ({fetched(result)})"
+
+
+def fetched(result: LoadResult) -> str:
+    """What a load fetched from a store, as the log says it ("" when it read a directory)."""
+    return "" if result.bytes_fetched is None else \
+        f"rank 0 fetched {result.bytes_fetched:,} bytes by ranged reads"
 
 
 class TrainerCheckpointing:
@@ -201,7 +215,7 @@ class TrainerCheckpointing:
                           "this an error)")
             return
         if a.finetune:
-            t.logger.info(f"--finetune: loaded model weights from {res.path}; starting at iteration 0")
+            t.logger.info(f"--finetune: loaded model weights from {described(res)}; starting at iteration 0")
             return
         objs = res.objects
         t.iteration = int(objs.get(ITERATION, res.iteration))
@@ -215,7 +229,8 @@ class TrainerCheckpointing:
             t.sampler.consumed_samples = t.iteration * a.global_batch_size
         if not res.rng_restored:
             t.reseed(t.iteration)
-        t.logger.info(f"resumed from {res.path} at iteration {t.iteration}")
+        t.logger.info(f"resumed from {res.path} at iteration {t.iteration}"
+                      + (f" ({fetched(res)})" if res.bytes_fetched is not None else ""))
 
     def quantize_base(self) -> None:
         """``--base-quantization nf4``: the base, now in place (loaded or initialised), held in NF4 from here on;

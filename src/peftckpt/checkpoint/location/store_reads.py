@@ -28,9 +28,9 @@ from peftckpt.checkpoint.storage.object_store import ObjectStore
 
 from .store_fetch import fetch_one
 
-__all__ = ["StoreFiles"]
+__all__ = ["StoreFiles", "GET_THREADS"]
 
-_GET_THREADS = 8
+GET_THREADS = 8
 """Ranged GETs in flight per rank."""
 
 
@@ -47,7 +47,7 @@ class StoreFiles(CheckpointFiles):
         self._store = store
         self._rel = rel
         self._sizes = dict(sizes)
-        self._pool = ThreadPoolExecutor(max_workers=_GET_THREADS, thread_name_prefix="peftckpt-get")
+        self._pool = ThreadPoolExecutor(max_workers=GET_THREADS, thread_name_prefix="peftckpt-get")
         self._opened: dict[str, ObjectSource] = {}
         self._lock = threading.Lock()
 
