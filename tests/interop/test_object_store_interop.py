@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.integration.cli import peftckpt
+from tests.integration.cli import peftckpt, read_dcp_tensors
 from tests.s3_server import S3Server, s3_server
 
 pytestmark = pytest.mark.slow
@@ -59,3 +60,28 @@ def test_hf_and_peft_round_trips_through_s3(s3: S3Server, hf_dir: Path, data: Pa
                      extra_env=s3.env)
     assert again.returncode == 1 and f"OUT {adapter} already holds objects" in again.stderr
     assert s3.keys("interop/imported") == before
+
+
+def test_tp2_lora_from_an_hf_directory_on_the_store_is_the_local_run(s3: S3Server, hf_dir: Path, data: Path,
+                                                                      tmp_path: Path) -> None:
+    """``--pretrained-checkpoint s3://.../hf``: config, index and safetensors headers by ranged reads, each TP rank
+    reading the rows of its shards; the run's adapters, Adam moments and base fingerprint are those of the same run
+    from the local directory, bit for bit."""
+    s3.fs().put(str(hf_dir), "peftckpt-test/interop/hf", recursive=True)
+    assert sorted(s3.keys("interop/hf")) == sorted(p.name for p in hf_dir.iterdir())
+    said = {}
+    for name, where in (("local", str(hf_dir)), ("store", s3.url("interop/hf"))):
+        run = peftckpt(["train", "--pretrained-checkpoint", where, "--data-path", str(data), "--seq-length", "16",
+                        "--tensor-model-parallel-size", "2", "--lora-rank", "4", "--micro-batch-size", "2",
+                        "--global-batch-size", "4", "--train-iters", "2", "--lr", "5e-3", "--save",
+                        str(tmp_path / name), "--save-trainable-params-only", "--log-interval", "100",
+                        "--device", "cpu"], nproc=2, extra_env=s3.env)
+        said[name] = run.stdout
+    assert f"loaded base weights from {s3.url('interop/hf')} (HF safetensors)" in said["store"], said["store"]
+    local, store = (read_dcp_tensors(tmp_path / name / "iter_0000002") for name in ("local", "store"))
+    assert local.keys() == store.keys() and any(k.startswith("optimizer.") for k in local)
+    for k in local:
+        assert torch.equal(local[k], store[k]), k
+    fingerprints = {json.loads((tmp_path / name / "iter_0000002" / "metadata.json").read_text())["base_fingerprint"]
+                    for name in ("local", "store")}
+    assert len(fingerprints) == 1

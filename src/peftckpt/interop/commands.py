@@ -147,7 +147,7 @@ def _open_base(path: str | os.PathLike[str], verify_checksums: bool) -> HFModelD
 
 
 def _where(base: HFModelDir | OfflineCheckpoint) -> str:
-    return base.where if isinstance(base, OfflineCheckpoint) else str(Path(base.path).absolute())
+    return base.where if isinstance(base, OfflineCheckpoint) else base.shown
 
 
 def _config_of(base: HFModelDir | OfflineCheckpoint) -> GPTConfig:

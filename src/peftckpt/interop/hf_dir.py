@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.location.locate import locate
+from ..checkpoint.location.names import MANIFEST_FILENAME
 from ..checkpoint.state.fingerprint import FINGERPRINT_VERSION
 from ..checkpoint.tools.offline import lazy_fingerprint
 from ..model.config import GPTConfig
@@ -31,7 +34,7 @@ from .hf_llama import (
     hf_one_to_one,
     open_safetensors,
     our_linear_of,
-    read_json_object,
+    parse_json_object,
 )
 from .safetensors_io import SafetensorsFile
 
@@ -40,33 +43,41 @@ __all__ = ["HFModelDir", "is_hf_dir"]
 # (HF tensor, first HF row, number of rows) pieces that make up a run of our rows, in order.
 Segments = list[tuple[str, int, int]]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_JSON_MAX_BYTES = 64 << 20
+"""``config.json`` and the safetensors index are read whole up to this size (an index of a 405B model is ~100 KB)."""
 
 
 def is_hf_dir(path: str | os.PathLike[str]) -> bool:
-    """An HF model directory (``config.json`` and no peftckpt manifest or tracker)."""
-    p = Path(path)
-    return (p / CONFIG_FILE).is_file() and not (p / "metadata.json").exists()
+    """An HF model directory, on disk or on a store (``config.json`` and no peftckpt manifest)."""
+    try:
+        loc = locate(path, "HF model directory")
+        return loc.is_file(CONFIG_FILE) and not loc.is_file(MANIFEST_FILENAME)
+    except (CheckpointError, OSError):  # not a location peftckpt reads: the load says why
+        return False
 
 
 class HFModelDir:
     """A validated HF Llama directory; :meth:`read` returns regions of our (fused, global) tensors."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
-        config_path = self.path / CONFIG_FILE
-        if not config_path.is_file():
+        try:
+            self.location = locate(path, "HF model directory")
+        except CheckpointError as e:
+            raise InteropError(str(e)) from None
+        self.path: Path | str = self.location.ref()
+        """The directory, or its URL on a store."""
+        if not self._has(CONFIG_FILE):
             raise InteropError(f"{self.path} is not an HF model directory: {CONFIG_FILE} is missing")
-        self.hf_config = read_json_object(config_path)
+        self.hf_config = self._json(CONFIG_FILE)
         self.config: GPTConfig = config_from_hf(self.hf_config)
         self.files: dict[str, SafetensorsFile] = {}
         self.where: dict[str, SafetensorsFile] = {}
         """HF tensor name -> the file holding it."""
         for name, tensors_listed in self._file_names().items():
-            f = self.path / name
-            if not f.is_file():
-                raise InteropError(f"{self.path / SAFETENSORS_INDEX} lists shard {name} (e.g. for tensor "
+            if not self._has(name):
+                raise InteropError(f"{self._named(SAFETENSORS_INDEX)} lists shard {name} (e.g. for tensor "
                                    f"{tensors_listed[0]!r}), which is missing from {self.path}")
-            st = open_safetensors(f)
+            st = self._open(name)
             self.files[name] = st
             for key in st.tensors:
                 if key in self.where:
@@ -74,18 +85,48 @@ class HFModelDir:
                 self.where[key] = st
             absent = [k for k in tensors_listed if k not in st.tensors]
             if absent:
-                raise InteropError(f"{self.path / SAFETENSORS_INDEX} maps {absent[0]!r} to {name}, which does not "
+                raise InteropError(f"{self._named(SAFETENSORS_INDEX)} maps {absent[0]!r} to {name}, which does not "
                                    "hold it")
         self._check_config_fits()  # before anything is sized by the config: it may claim far more than is here
         self._check_tensors()
         self.ours = self.our_shapes()
         """Our model tensors: name -> (global shape, dtype in the HF files)."""
 
+    @property
+    def shown(self) -> str:
+        """The directory as the user named it, made absolute (or its URL)."""
+        return self.location.absolute().describe()
+
+    # ------------------------------------------------------------------------------------- files
+    def _named(self, rel: str) -> str:
+        return self.location.describe(rel)
+
+    def _has(self, rel: str) -> bool:
+        try:
+            return self.location.is_file(rel)
+        except CheckpointError as e:
+            raise InteropError(str(e)) from None
+
+    def _json(self, rel: str) -> dict[str, Any]:
+        """The JSON object of the file ``rel`` (``config.json``, the index), one error naming it otherwise."""
+        try:
+            data = self.location.read_small(rel, _JSON_MAX_BYTES)
+        except (OSError, ValueError, CheckpointError) as e:
+            raise InteropError(f"{self._named(rel)} cannot be read: {e}") from None
+        return parse_json_object(data, self._named(rel))
+
+    def _open(self, rel: str) -> SafetensorsFile:
+        """The safetensors file ``rel``, its header validated (read by ranges, on disk or on a store)."""
+        try:
+            return open_safetensors(self.location.byte_source(rel))
+        except (OSError, CheckpointError) as e:
+            raise InteropError(f"{self._named(rel)} cannot be read as safetensors: {e}") from None
+
     def _file_names(self) -> dict[str, list[str]]:
         """Shard file -> the tensors the index puts there (one unindexed file: all of them)."""
-        index = self.path / SAFETENSORS_INDEX
-        if index.is_file():
-            weight_map = read_json_object(index).get("weight_map")
+        index = self._named(SAFETENSORS_INDEX)
+        if self._has(SAFETENSORS_INDEX):
+            weight_map = self._json(SAFETENSORS_INDEX).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise InteropError(f"{index} is not a valid safetensors index: no \"weight_map\" object")
             try:
@@ -97,7 +138,7 @@ class HFModelDir:
                 return files
             except (KeyError, AttributeError, TypeError) as e:
                 raise InteropError(f"{index} is not a valid safetensors index: {e!r}") from None
-        if (self.path / SAFETENSORS_FILE).is_file():
+        if self._has(SAFETENSORS_FILE):
             return {SAFETENSORS_FILE: []}
         raise InteropError(f"{self.path}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} (only safetensors weights "
                            "are read: pickled .bin files could run code)")
@@ -134,7 +175,7 @@ class HFModelDir:
 
         def refuse(key: str, value: Any, name: str, what: str) -> None:
             info = self.where[name].tensors[name]
-            raise InteropError(f"{self.path / CONFIG_FILE} says {key} {value} but {name} is {list(info.shape)}"
+            raise InteropError(f"{self._named(CONFIG_FILE)} says {key} {value} but {name} is {list(info.shape)}"
                                f"{what} in {self.where[name].path.name}")
 
         embed = "model.embed_tokens.weight"
@@ -150,7 +191,7 @@ class HFModelDir:
             top = max(layers, default=None)
             held = "no layer" if top is None else (f"layers {sorted(layers)[:3]}..." if len(layers) != top + 1
                                                     else f"layers 0-{top}")
-            raise InteropError(f"{self.path / CONFIG_FILE} says num_hidden_layers {hf['num_hidden_layers']} but "
+            raise InteropError(f"{self._named(CONFIG_FILE)} says num_hidden_layers {hf['num_hidden_layers']} but "
                                f"the safetensors files in {self.path} hold {held} (model.layers.N.*)")
         down, k = f"{hf_module_of(0, 'down_proj')}.weight", f"{hf_module_of(0, 'k_proj')}.weight"
         dims = shape(down)

@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.storage.byte_sources import ByteSource
 from ..json_text import parse_json
 from ..model.config import GPTConfig
 from ..model.fused import split_gate_up, split_qkv
 from .safetensors_io import SafetensorsError, SafetensorsFile, write_safetensors
 
-__all__ = ["InteropError", "open_safetensors", "read_json_object", "config_from_hf", "config_to_hf", "hf_export_plan", "write_hf_dir",
+__all__ = ["InteropError", "open_safetensors", "read_json_object", "parse_json_object", "config_from_hf", "config_to_hf", "hf_export_plan", "write_hf_dir",
            "HF_PROJECTIONS", "hf_module_of", "our_linear_of", "hf_one_to_one", "CONFIG_FILE", "SAFETENSORS_FILE",
            "SAFETENSORS_INDEX"]
 
@@ -47,7 +48,7 @@ class InteropError(ValueError):
     """An HF directory, config or adapter that cannot be mapped exactly (the message names the key/file)."""
 
 
-def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFile:
+def open_safetensors(path: str | os.PathLike[str] | ByteSource) -> SafetensorsFile:
     """A safetensors file of an HF model or PEFT adapter directory, its header validated: a truncated file, a
     malformed header or an unknown dtype is one :class:`InteropError` naming the file."""
     try:
@@ -69,11 +70,20 @@ def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object in ``path`` (``config.json``, an index, ``adapter_config.json``); anything else -- unreadable,
     not UTF-8, not JSON, nested too deeply, not an object -- is one :class:`InteropError` naming the file."""
     try:
-        value = parse_json(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = path.read_bytes()
+    except OSError as e:
         raise InteropError(f"{path} is not valid JSON: {e}") from None
+    return parse_json_object(data, str(path))
+
+
+def parse_json_object(data: bytes, where: str) -> dict[str, Any]:
+    """:func:`read_json_object` of bytes already read from ``where`` (a file, or an object on a store)."""
+    try:
+        value = parse_json(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InteropError(f"{where} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
-        raise InteropError(f"{path} must hold a JSON object, not {type(value).__name__}")
+        raise InteropError(f"{where} must hold a JSON object, not {type(value).__name__}")
     return value
 
 

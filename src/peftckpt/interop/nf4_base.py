@@ -39,7 +39,7 @@ class NF4Base:
         self.source = source
         self.dtype = dtype
         """Each weight is cast to this dtype before it is quantized (``None``: as the source holds it)."""
-        self.path: Path = source.path
+        self.path: Path | str = source.path
         self.linears = set(linears)
         self._last: tuple[str, nf4.NF4Weight] | None = None
         self.error = [0.0, 0.0]

@@ -4,15 +4,15 @@ A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes o
 (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``), then the raw,
 row-major bytes of every tensor (offsets relative to the end of the header). Everything needed to validate a
 file -- names, dtypes, shapes, that every byte range lies inside the file -- is in the header, so a file is
-checked before any tensor is read, and a slice of rows (and columns) of one tensor is read from a memory map
-that touches only its own pages.
+checked before any tensor is read, and a slice of rows (and columns) of one tensor is read by positional reads
+of its own bytes (a local file) or ranged GETs (an object on a store).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import mmap
 import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.storage.byte_sources import ByteSource, FileSource
 from ..checkpoint.storage.framing import tensor_bytes
-from ..checkpoint.storage.preads import read_exactly
 from ..json_text import parse_json
 
 __all__ = ["DTYPES", "SafetensorsError", "TensorInfo", "SafetensorsFile", "write_safetensors"]
@@ -65,27 +65,31 @@ class TensorInfo:
 
 
 class SafetensorsFile:
-    """One safetensors file, its header validated on open; tensors are read on demand."""
+    """One safetensors file, its header validated on open; tensors are read on demand. ``file``: a local path, or
+    a :class:`~peftckpt.checkpoint.storage.byte_sources.ByteSource` (an object on a store, read by ranges)."""
 
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
+    def __init__(self, file: str | os.PathLike[str] | ByteSource):
+        self._source = None if isinstance(file, (str, os.PathLike)) else file
+        self.name = str(file) if self._source is None else self._source.name
+        """The file as messages name it (its path or URL)."""
+        self.path = Path(self.name)
         self.tensors: dict[str, TensorInfo] = {}
         self._buffer: torch.Tensor | None = None
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                prefix = f.read(8)
+            with self._opened() as source:
+                size = source.size
+                prefix = source.read(8, 0)
                 if len(prefix) < 8:
-                    raise SafetensorsError(f"{self.path} is truncated: {size} bytes, no safetensors header")
+                    raise SafetensorsError(f"{self.name} is truncated: {size} bytes, no safetensors header")
                 (length,) = struct.unpack("<Q", prefix)
                 if length > min(_MAX_HEADER, size - 8):
-                    raise SafetensorsError(f"{self.path} is truncated or not safetensors: its header claims "
+                    raise SafetensorsError(f"{self.name} is truncated or not safetensors: its header claims "
                                            f"{length} bytes of a {size}-byte file")
-                header = parse_json(f.read(length))
+                header = parse_json(source.read(length, 8))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SafetensorsError(f"{self.path} cannot be read as safetensors: {e}") from None
+            raise SafetensorsError(f"{self.name} cannot be read as safetensors: {e}") from None
         if not isinstance(header, dict):
-            raise SafetensorsError(f"{self.path}: the safetensors header is not a JSON object")
+            raise SafetensorsError(f"{self.name}: the safetensors header is not a JSON object")
         data_start = 8 + length
         for name, rec in header.items():
             if name == "__metadata__":
@@ -95,68 +99,71 @@ class SafetensorsFile:
                 shape = tuple(_count(d) for d in rec["shape"])
                 begin, end = (_count(x) for x in rec["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise SafetensorsError(f"{self.path}: tensor {name!r} has an unsupported or malformed header "
+                raise SafetensorsError(f"{self.name}: tensor {name!r} has an unsupported or malformed header "
                                        f"entry {str(rec)[:80]}") from None
             if any(d < 0 for d in shape) or end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
-                raise SafetensorsError(f"{self.path}: tensor {name!r}: {rec['dtype']} {list(shape)} does not fit "
+                raise SafetensorsError(f"{self.name}: tensor {name!r}: {rec['dtype']} {list(shape)} does not fit "
                                        f"its {end - begin} bytes")
             if data_start + end > size:
-                raise SafetensorsError(f"{self.path} is truncated: tensor {name!r} ends at byte "
+                raise SafetensorsError(f"{self.name} is truncated: tensor {name!r} ends at byte "
                                        f"{data_start + end}, the file has {size}")
             self.tensors[name] = TensorInfo(dtype, shape, data_start + begin)
 
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[ByteSource]:
+        """The file to read: the source it was opened with, or the local file opened for this one read (a model
+        read tensor by tensor holds no descriptor between reads)."""
+        if self._source is not None:
+            yield self._source
+            return
+        source = FileSource(self.path)
+        try:
+            yield source
+        finally:
+            source.close()
+
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        """A fresh copy of ``name`` (or of its ``rows`` / ``cols`` along dims 0 / 1): only those bytes are read.
-
-        The tensor's bytes are mapped for this one read and unmapped after the copy, so reading a whole
-        model tensor by tensor never keeps more than one tensor's pages in the process."""
+        """A fresh copy of ``name`` (or of its ``rows`` / ``cols`` along dims 0 / 1): only those bytes are read."""
         info = self.tensors[name]
-        count = math.prod(info.shape)
-        if count == 0:
-            return torch.empty(info.shape, dtype=info.dtype)
-        page = mmap.ALLOCATIONGRANULARITY
-        start = info.begin - info.begin % page
-        with open(self.path, "rb") as f, \
-                mmap.mmap(f.fileno(), info.begin - start + info.nbytes, access=mmap.ACCESS_COPY, offset=start) as m:
-            view = torch.frombuffer(m, dtype=info.dtype, count=count, offset=info.begin - start).view(info.shape)
-            if rows is not None and info.shape:
-                view = view[rows]
-            if cols is not None and len(info.shape) > 1:
-                view = view[:, cols]
-            out = view.clone()
-            del view  # the map closes only once no tensor points into it
+        shape = list(info.shape)
+        if rows is not None and shape:
+            shape[0] = len(range(*rows.indices(shape[0])))
+        if cols is not None and len(shape) > 1:
+            shape[1] = len(range(*cols.indices(shape[1])))
+        out = torch.empty(shape, dtype=info.dtype)
+        self.read_into(name, out, rows, cols)
         return out
-
 
     def read_into(self, name: str, out: torch.Tensor, rows: slice | None = None, cols: slice | None = None) -> None:
         """:meth:`read` into ``out`` (the shape of the region): the bytes of ``rows`` go straight into ``out``'s
         memory when it is a contiguous CPU tensor of the file's dtype and the region spans whole rows; else they
         pass through a reused buffer, a run of rows at a time, and the region (``cols``) is copied out of it."""
         info = self.tensors[name]
-        if not info.shape or out.numel() == 0:
-            out.copy_(self.read(name, rows, cols))
+        if out.numel() == 0:
             return
-        first, stop, _ = (rows or slice(None)).indices(info.shape[0])
-        row_elems = math.prod(info.shape[1:])
-        row_bytes = row_elems * info.dtype.itemsize
-        whole_rows = cols is None or len(info.shape) < 2 or cols.indices(info.shape[1])[:2] == (0, info.shape[1])
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
+        with self._opened() as source:
+            if not info.shape:  # a scalar: its few bytes
+                scalar = torch.empty((), dtype=info.dtype)
+                self._pread(source, tensor_bytes(scalar.reshape(1)), info.begin, name)
+                out.copy_(scalar)
+                return
+            first, stop, _ = (rows or slice(None)).indices(info.shape[0])
+            row_elems = math.prod(info.shape[1:])
+            row_bytes = row_elems * info.dtype.itemsize
+            whole_rows = cols is None or len(info.shape) < 2 or cols.indices(info.shape[1])[:2] == (0, info.shape[1])
             if whole_rows and out.dtype == info.dtype and out.is_cpu and out.is_contiguous():
-                self._pread(fd, tensor_bytes(out), info.begin + first * row_bytes, name)
+                self._pread(source, tensor_bytes(out), info.begin + first * row_bytes, name)
                 return
             per_run = max(1, min(stop - first, _BOUNCE_BYTES // max(1, row_bytes)))
             bounce = self._bounce(per_run * row_bytes)
             for at in range(first, stop, per_run):
                 n = min(per_run, stop - at)
                 part = bounce[:n * row_bytes].view(info.dtype)
-                self._pread(fd, tensor_bytes(part), info.begin + at * row_bytes, name)
+                self._pread(source, tensor_bytes(part), info.begin + at * row_bytes, name)
                 region = part.view(n, *info.shape[1:])
                 if cols is not None and len(info.shape) > 1:
                     region = region[:, cols]
                 out.narrow(0, at - first, n).copy_(region)
-        finally:
-            os.close(fd)
 
     def _bounce(self, nbytes: int) -> torch.Tensor:
         """A reused byte buffer of at least ``nbytes`` (no fresh memory faulted in for every tensor)."""
@@ -164,9 +171,9 @@ class SafetensorsFile:
             self._buffer = torch.empty(max(nbytes, _BOUNCE_BYTES), dtype=torch.uint8)
         return self._buffer
 
-    def _pread(self, fd: int, into: memoryview, offset: int, name: str) -> None:
-        if read_exactly(fd, [into], offset) != len(into):
-            raise SafetensorsError(f"{self.path} is truncated: the bytes of tensor {name!r} end past its end")
+    def _pread(self, source: ByteSource, into: memoryview, offset: int, name: str) -> None:
+        if source.read_into([into], offset) != len(into):
+            raise SafetensorsError(f"{self.name} is truncated: the bytes of tensor {name!r} end past its end")
 
 
 def write_safetensors(path: str | os.PathLike[str], specs: Mapping[str, tuple[torch.dtype, Iterable[int]]],

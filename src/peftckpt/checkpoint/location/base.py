@@ -23,6 +23,7 @@ from ..errors import CheckpointError
 
 if TYPE_CHECKING:
     from ..collectives import Collectives
+    from ..storage.byte_sources import ByteSource
     from ..storage.checkpoint_files import CheckpointFiles
     from ..storage.manifest import Manifest
 
@@ -144,6 +145,14 @@ class Location(ABC):
     def read_small(self, rel: str, max_bytes: int) -> bytes:
         """The bytes of ``rel``. Raises ``FileNotFoundError`` when absent, ``ValueError``/``OSError`` when it is
         not a regular file of at most ``max_bytes`` (garbled), ``CheckpointError`` when the store fails."""
+
+    @abstractmethod
+    def is_file(self, rel: str) -> bool:
+        """Whether ``rel`` is a file (an object) of the location."""
+
+    @abstractmethod
+    def byte_source(self, rel: str) -> ByteSource:
+        """The file ``rel``, read by ranges (a missing one: ``FileNotFoundError``); close it when done."""
 
     @abstractmethod
     def write_atomic(self, rel: str, data: bytes) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..storage.byte_sources import FileSource
 from ..storage.checksums import verify_files
 from ..storage.durable import atomic_write_bytes, fsync_dir, fsync_tree
 from ..storage.manifest import Manifest, read_manifest
@@ -82,6 +83,12 @@ class Directory(Location):
     # ---------------------------------------------------------------------------------- small files
     def read_small(self, rel: str, max_bytes: int) -> bytes:
         return read_regular_file(self.path / rel, max_bytes)
+
+    def is_file(self, rel: str) -> bool:
+        return (self.path / rel).is_file()
+
+    def byte_source(self, rel: str) -> FileSource:
+        return FileSource(self.path / rel)
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         atomic_write_bytes(self.path / rel, data)

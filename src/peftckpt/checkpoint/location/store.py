@@ -42,6 +42,7 @@ from ..storage.checkpoint_files import CheckpointFiles
 from ..storage.checksums import is_data_file
 from ..storage.formats import storage_format
 from ..storage.manifest import Manifest
+from ..storage.object_ranges import ObjectSource
 from ..storage.object_store import ObjectStore, store_error
 from . import protocol
 from .base import CommittedCopy, Held, Location, SaveTarget
@@ -49,7 +50,7 @@ from .dir_lock import acquire_save_lock
 from .names import MANIFEST_FILENAME, STAGING_PREFIX, iteration_dirname
 from .store_fetch import fetch_files, list_checked, listed_problems, read_remote_manifest
 from .store_lease import acquire_remote_lock, check_lease
-from .store_reads import StoreFiles
+from .store_reads import StoreFiles, shared_pool
 
 if TYPE_CHECKING:
     from ..collectives import Collectives
@@ -134,6 +135,15 @@ class StorePrefix(Location):
     def read_small(self, rel: str, max_bytes: int) -> bytes:
         with self._failing(rel, "the object"):
             return self.store.read_bytes(rel, max_bytes)
+
+    def is_file(self, rel: str) -> bool:
+        with self._failing(rel, "the object"):
+            return self.store.exists(rel)
+
+    def byte_source(self, rel: str) -> ObjectSource:
+        with self._failing(rel, "the object"):
+            size = self.store.size(rel)
+        return ObjectSource(self.store, rel, size, shared_pool())
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         with self._failing(rel, "the object"):

@@ -28,10 +28,24 @@ from peftckpt.checkpoint.storage.object_store import ObjectStore
 
 from .store_fetch import fetch_one
 
-__all__ = ["StoreFiles", "GET_THREADS"]
+__all__ = ["StoreFiles", "GET_THREADS", "shared_pool"]
 
 GET_THREADS = 8
 """Ranged GETs in flight per rank."""
+
+
+_SHARED: ThreadPoolExecutor | None = None
+_SHARED_GUARD = threading.Lock()
+
+
+def shared_pool() -> ThreadPoolExecutor:
+    """The pool of the ranged GETs of objects read outside a checkpoint load (an HF base's safetensors files),
+    :data:`GET_THREADS` in flight, made once per process."""
+    global _SHARED
+    with _SHARED_GUARD:
+        if _SHARED is None:
+            _SHARED = ThreadPoolExecutor(max_workers=GET_THREADS, thread_name_prefix="peftckpt-get")
+        return _SHARED
 
 
 class StoreFiles(CheckpointFiles):

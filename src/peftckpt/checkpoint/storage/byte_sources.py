@@ -67,6 +67,9 @@ class FileSource:
             os.close(self._fd)
             self._fd = -1
 
+    def __del__(self) -> None:  # a source held by a long-lived reader is closed with it
+        self.close()
+
 
 def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int, longest: int) -> list[tuple[int, int]]:
     """``[start, end)`` ranges sorted and merged where at most ``gap`` bytes apart, then cut into pieces of at most

@@ -12,7 +12,8 @@ object store. Steps of a load's reads from one object:
    consumed (a part the reader is waiting for is always fetched), so a rank holds a bounded window of the
    object, never the object.
 4. Each read copies its bytes out of the parts into the destination (the one copy an HTTP body allows) and
-   releases a part once every expected byte of it was read. A range outside the expected ones is one GET.
+   releases a part once every expected byte of it was read. A range outside the expected ones is fetched at
+   once, in parts in parallel where it is larger than one.
 
 Nothing here verifies: the reader checks every block it reads against the block index, and names the object
 by its URL (:attr:`ObjectSource.name`).
@@ -85,6 +86,13 @@ class ObjectSource:
             self.requests += 1
         return data
 
+    def _get_now(self, start: int, end: int) -> list[tuple[int, bytes]]:
+        """``[start, end)`` fetched at once, in parts of at most :data:`PART_BYTES` in parallel on the pool."""
+        if end - start <= PART_BYTES:
+            return [(start, self._get(start, end))]
+        parts = [(s, self._pool.submit(self._get, s, e)) for s, e in merge_ranges([(start, end)], 0, PART_BYTES)]
+        return [(s, f.result()) for s, f in parts]
+
     def expect(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Step 2: plan the parts covering ``ranges`` and start fetching the first of them."""
         below = self.size if self._tail is None else self._tail[0]  # what the kept tail holds is not fetched again
@@ -143,7 +151,7 @@ class ObjectSource:
                 self._admit(covering[-1])
                 futures = [(self._parts[i].start, self._parts[i].data) for i in covering]
         if covering is None or any(f is None for _, f in futures):  # none expected, or released (read twice)
-            pieces.append((offset, self._get(offset, split)))
+            pieces.extend(self._get_now(offset, split))
             covering = []
         else:
             pieces.extend((start, f.result()) for start, f in futures if f is not None)

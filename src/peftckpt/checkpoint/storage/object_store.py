@@ -91,6 +91,11 @@ class ObjectStore:
             return False
         return True
 
+    def size(self, rel: str) -> int:
+        """The size of the object ``rel`` (one HEAD); ``FileNotFoundError`` when absent."""
+        info = self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key(rel)[len(self.bucket) + 1:])
+        return int(info["ContentLength"])
+
     # ----------------------------------------------------------------------------------- transfers
     def upload(self, local: Path, rel: str) -> None:
         """Copy the local file ``local`` to the object ``rel`` (multipart for large files)."""

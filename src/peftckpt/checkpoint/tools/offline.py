@@ -95,7 +95,8 @@ class OfflineCheckpoint:
 class TensorSource(Protocol):
     """What the offline tools read a base or an adapter from: a checkpoint, or an HF directory."""
 
-    path: Path
+    @property
+    def path(self) -> Path | str: ...
 
     def model_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]: ...
 
