@@ -74,9 +74,10 @@ def test_tp2_adapter_only_to_s3_resumes_bit_exactly(s3: S3Server, tp2_runs: Path
 
 
 def test_tp2_lora_from_a_torch_dist_base_on_the_store_is_the_local_base_run(s3: S3Server, tmp_path: Path) -> None:
-    """``--pretrained-checkpoint s3://...`` (a torch_dist base) is read where it lies: each TP rank fetches the rows
-    of its shards, not the base, and the run's adapters, Adam moments and base fingerprint are the run's from the
-    same base on local disk, bit for bit."""
+    """``--pretrained-checkpoint s3://...`` (a torch_dist base): with ``--no-base-cache`` read where it lies, each TP
+    rank fetching the rows of its shards, not the base; by default fetched whole into the host's base cache once
+    and read from there by the next run. Every run's adapters, Adam moments and base fingerprint are the run's
+    from the same base on local disk, bit for bit."""
     wide = [*TINY, "--hidden-size", "512", "--ffn-hidden-size", "2048", "--num-layers", "2", "--vocab-size", "1024"]
     base = tmp_path / "base"
     peftckpt(["train", *wide, "--train-iters", "1", "--no-save-optim", "--save", str(base)])
@@ -84,19 +85,28 @@ def test_tp2_lora_from_a_torch_dist_base_on_the_store_is_the_local_base_run(s3: 
     assert sorted(s3.keys("base")) == sorted(f"iter_0000001/{p.name}" for p in (base / "iter_0000001").iterdir())
     data_bytes = sum(p.stat().st_size for p in (base / "iter_0000001").glob("*.distcp"))
     said = {}
-    for name, where in (("local", str(base / "iter_0000001")), ("store", s3.url("base/iter_0000001"))):
+    url = s3.url("base/iter_0000001")
+    runs = {"local": [str(base / "iter_0000001")], "ranged": [url, "--no-base-cache"], "filled": [url],
+            "cached": [url]}
+    for name, where in runs.items():
         run = peftckpt(["train", *wide, "--tensor-model-parallel-size", "2", *LORA, "--save-interval", "6",
-                        "--pretrained-checkpoint", where, "--save", str(tmp_path / name)], 2, extra_env=s3.env)
+                        "--pretrained-checkpoint", *where, "--save", str(tmp_path / name)], 2, extra_env=s3.env)
         said[name] = run.stdout + run.stderr
-    fetched = re.search(r"rank 0 fetched ([\d,]+) bytes by ranged reads", said["store"])
-    assert fetched is not None, said["store"]
+    fetched = re.search(r"rank 0 fetched ([\d,]+) bytes by ranged reads", said["ranged"])
+    assert fetched is not None, said["ranged"]
     assert int(fetched.group(1).replace(",", "")) < 0.7 * data_bytes  # its shards (and the small replicated norms)
-    local, store = (read_dcp_tensors(tmp_path / name / "iter_0000006") for name in ("local", "store"))
-    assert local.keys() == store.keys() and any(k.startswith("optimizer.") for k in local)
-    for k in local:
-        assert torch.equal(local[k], store[k]), k
+    # By default the first run keeps the base in the host's cache, and the next one reads it from there.
+    assert f"loaded base weights from {url} (fetched whole into the host's base cache)" in said["filled"]
+    assert f"loaded base weights from {url} (read from the host's base cache)" in said["cached"]
+    local = read_dcp_tensors(tmp_path / "local" / "iter_0000006")
+    assert any(k.startswith("optimizer.") for k in local)
+    for name in ("ranged", "filled", "cached"):
+        other = read_dcp_tensors(tmp_path / name / "iter_0000006")
+        assert local.keys() == other.keys()
+        for k in local:
+            assert torch.equal(local[k], other[k]), (name, k)
     fingerprints = {json.loads((tmp_path / name / "iter_0000006" / "metadata.json").read_text())["base_fingerprint"]
-                    for name in ("local", "store")}
+                    for name in runs}
     assert len(fingerprints) == 1
 
 

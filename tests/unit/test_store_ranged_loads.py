@@ -163,3 +163,37 @@ def test_an_object_source_holds_a_bounded_window(s3: S3Server, monkeypatch: pyte
             assert n == min(end, len(blob)) - start
             assert bytes(head + body)[:n] == blob[start:min(end, len(blob))]
         source.close()
+
+
+def test_a_base_is_kept_in_the_host_cache_and_read_from_it_next_time(s3: S3Server, reads: dict[str, list]) -> None:
+    """load_pretrained of a base on the store: the first load fetches it whole into the host's base cache
+    (verified as it streams), the next reads the cached copy -- no data object fetched again; a damaged cached
+    copy is named as such and deleted, and the load after that fetches the base again; base_cache=False reads it
+    where it lies, by ranges."""
+    source, model = _checkpointer(0)
+    url = s3.url("ranged/base")
+    source.save(url, 1)
+    cache = Path(os.environ["PEFTCKPT_CACHE_DIR"]) / "bases"
+
+    first = _checkpointer(1)[0].load_pretrained(url)
+    assert first.cache_hit is False and reads["downloaded"] and str(first.path).startswith("s3://")
+    reads["downloaded"].clear()
+    target, fresh = _checkpointer(2)
+    second = target.load_pretrained(url)
+    assert second.cache_hit is True and reads["downloaded"] == [] and not reads["loads"]  # nothing from the store
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    (entry,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
+
+    blob = entry / "__0_0.distcp"  # the cached copy rots on the host's disk (in the first weight's bytes)
+    data = bytearray(blob.read_bytes())
+    data[100_000] ^= 1
+    blob.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="the host's base cache.*it was deleted"):
+        _checkpointer(3)[0].load_pretrained(url)
+    assert not entry.exists()
+    assert _checkpointer(4)[0].load_pretrained(url).cache_hit is False  # fetched again, intact
+    assert entry.is_dir()
+
+    ranged = _checkpointer(5)[0].load_pretrained(url, LoadOptions(base_cache=False))
+    assert ranged.cache_hit is None and ranged.bytes_fetched and reads["loads"]

@@ -136,23 +136,24 @@ class Loads:
 
     def _load_located(self, path: str | os.PathLike[str], options: LoadOptions,
                       load: Callable[[str | os.PathLike[str], LoadOptions, CheckpointFiles | None], LoadResult],
-                      search_earlier: bool) -> LoadResult:
+                      search_earlier: bool, cache: bool = False) -> LoadResult:
         """``load`` of the local directory :meth:`_located` gives for ``path``, with the files the location gives
         (the result names ``path``'s URL when it is on a store, and the bytes fetched); a failure is explained
         with :func:`explain_damage` (``search_earlier``: naming the newest intact earlier checkpoint), then
-        raised."""
+        raised. ``cache``: a base, kept in the host's base cache (:attr:`LoadOptions.base_cache`)."""
         try:
-            with self._located(path, options) as (local, located_options, files):
+            with self._located(path, options, cache) as (local, located_options, files):
                 result = load(local, located_options, files)
                 if files is not None:
-                    result = replace(result, path=files.url or result.path, bytes_fetched=files.bytes_fetched)
+                    result = replace(result, path=files.url or result.path, bytes_fetched=files.bytes_fetched,
+                                     cache_hit=None if files.cached is None else not files.hashed)
         except Exception as e:
             explain_damage(self.comm, e, path, search_earlier=search_earlier)
             raise
         return result
 
     @contextlib.contextmanager
-    def _located(self, path: str | os.PathLike[str], options: LoadOptions
+    def _located(self, path: str | os.PathLike[str], options: LoadOptions, cache: bool = False
                  ) -> Iterator[tuple[str | os.PathLike[str], LoadOptions, CheckpointFiles | None]]:
         """``path`` to load from, with the options to load it with, and the files the location reads it through
         (collective; ``None``: a directory, read in place). A checkpoint on a store keeps its data objects where
@@ -163,7 +164,7 @@ class Loads:
         except CheckpointError as e:
             e.every_rank = True
             raise
-        with protocol.reading(location, self.comm) as files:
+        with protocol.reading(location, self.comm, cache) as files:
             if files is None:
                 yield path, options, None
                 return

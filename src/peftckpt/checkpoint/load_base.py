@@ -127,7 +127,7 @@ class BaseLoads(Loads):
         # No earlier checkpoint is offered: an earlier base is another base (its fingerprint differs).
         return self._load_located(path, options or LoadOptions(),
                                   lambda local, o, files: self._load_pretrained(local, o, then, files),
-                                  search_earlier=False)
+                                  search_earlier=False, cache=(options or LoadOptions()).base_cache)
 
     def _load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions,
                          then: Callable[[str], None] | None, files: CheckpointFiles | None = None) -> LoadResult:

@@ -47,6 +47,11 @@ class LoadOptions:
     that must stay intact if the new one is damaged). Presence, sizes and the small files (manifest, DCP
     metadata) are always checked first."""
     verify_base: bool = True
+    base_cache: bool = True
+    """``load_pretrained`` of a base on an object store keeps a verified copy of it in the host's base cache
+    (``$PEFTCKPT_CACHE_DIR/bases``, at most ``$PEFTCKPT_BASE_CACHE_GB`` GB, least recently used evicted first), so
+    the next run on the host reads it from local disk; False reads the base where it lies, by ranges, each rank
+    fetching only its own pieces. ``load`` never caches (a resumed checkpoint is read once)."""
     objects: Sequence[str] = ()
     """Names of object sections to read back (iteration, opt_param_scheduler, ...)."""
 
@@ -71,3 +76,5 @@ class LoadResult:
     bytes_fetched: int | None = None
     """Bytes this rank fetched from an object store for the load (its ranged reads; ``None``: read from a
     directory, or from a copy of the checkpoint)."""
+    cache_hit: bool | None = None
+    """For a base loaded through the host's base cache: whether it was there already (``None``: no cache used)."""

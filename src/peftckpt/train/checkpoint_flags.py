@@ -52,6 +52,10 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="load an adapter even if the base fingerprint differs from the one it was trained on")
     g.add_argument("--no-verify-checksums", action="store_true",
                    help="skip re-reading every checkpoint file to check its checksum before loading")
+    g.add_argument("--no-base-cache", action="store_true",
+                   help="read a --pretrained-checkpoint on an object store by ranges, each rank its own pieces, "
+                        "instead of keeping a copy in the host's base cache ($PEFTCKPT_CACHE_DIR/bases, capped at "
+                        "$PEFTCKPT_BASE_CACHE_GB GB) for the next run")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, if --save is set) when the iteration is a multiple of N")
     g.add_argument("--async-save", action="store_true",

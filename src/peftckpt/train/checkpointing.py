@@ -90,7 +90,9 @@ def load_base(ckpt: Checkpointer, path: str, options: LoadOptions, then: Callabl
 
 
 def described(result: LoadResult) -> str:
-    """The checkpoint a load read, and the bytes it fetched from a store where it read one in place."""
+    """The checkpoint a load read, and how it came from a store: the host's base cache, or ranged reads."""
+    if result.cache_hit is not None:
+        return f"{result.path} ({'read from' if result.cache_hit else 'fetched whole into'} the host's base cache)"
     if result.bytes_fetched is None:
         return str(result.path)
     return f"{result.path} ({fetched(result)})"
@@ -127,7 +129,7 @@ class TrainerCheckpointing:
                            load_rng=not (a.no_load_rng or a.finetune or model_only),
                            strictness=StrictHandling(a.dist_ckpt_strictness),
                            verify_checksums=not a.no_verify_checksums, verify_base=not a.no_verify_base,
-                           objects=() if model_only else (ITERATION, OPT_PARAM_SCHEDULER, DATA))
+                           base_cache=not a.no_base_cache, objects=() if model_only else (ITERATION, OPT_PARAM_SCHEDULER, DATA))
 
     def _refuse_a_base_as_load(self) -> None:
         """A LoRA run given a checkpoint without adapters as ``--load`` (the base, or a run without LoRA) would

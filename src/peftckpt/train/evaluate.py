@@ -43,7 +43,8 @@ def evaluate(args: argparse.Namespace, world_size: int, rank: int) -> dict[str, 
     verify = not args.no_verify_checksums
     if args.pretrained_checkpoint:
         loaded["pretrained_checkpoint"] = checkpointing.load_base(args.pretrained_checkpoint,
-                                                                  LoadOptions(verify_checksums=verify))
+                                                                  LoadOptions(verify_checksums=verify,
+                                                                              base_cache=not args.no_base_cache))
     checkpointing.quantize_base()
     if args.load:
         res = ckpt.load(args.load, LoadOptions(load_optim=False, load_rng=False, verify_checksums=verify,

@@ -205,13 +205,13 @@ _IN_PROGRESS_GUARD = threading.Lock()
 
 
 @contextlib.contextmanager
-def reading(loc: Location, comm: Collectives) -> Iterator[CheckpointFiles | None]:
+def reading(loc: Location, comm: Collectives, cache: bool = False) -> Iterator[CheckpointFiles | None]:
     """Collective: the files a load reads the committed checkpoint ``loc`` designates from, where they are not the
     location itself (``None``: a directory, read in place, which the load resolves). A location read through a local
     directory of its own (a store's: its small files, or a verified copy) is resolved by rank 0 (its warnings said there), its error
     raised on every rank with its type -- a caller tells "no checkpoint yet" (:class:`CheckpointNotFoundError`, a
     first ``--load`` that starts from scratch) from a real failure the same way on every rank -- and then fetched
-    (:meth:`Location.fetched`)."""
+    (:meth:`Location.fetched`; ``cache``: a base, kept in the host's base cache)."""
     if not loc.fetched_to_read:
         yield None
         return
@@ -230,7 +230,8 @@ def reading(loc: Location, comm: Collectives) -> Iterator[CheckpointFiles | None
         resolved.every_rank = True
         raise resolved
     assert resolved is not None
-    with loc.fetched(comm, *resolved) as files:
+    rel, iteration = resolved
+    with loc.fetched(comm, rel, iteration, cache=cache) as files:
         yield files
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from ..checks.load_checks import damaged
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointIntegrityError
 from ..faults import fault_point
 from ..storage.checkpoint_files import CheckpointFiles
 from ..storage.checksums import is_data_file
@@ -46,6 +46,7 @@ from ..storage.object_ranges import ObjectSource
 from ..storage.object_store import ObjectStore, store_error
 from . import protocol
 from .base import CommittedCopy, Held, Location, SaveTarget
+from .base_cache import BaseCache
 from .dir_lock import acquire_save_lock
 from .names import MANIFEST_FILENAME, STAGING_PREFIX, iteration_dirname
 from .store_fetch import fetch_files, list_checked, listed_problems, read_remote_manifest
@@ -261,17 +262,21 @@ class StorePrefix(Location):
     fetched_to_read = True
 
     @contextlib.contextmanager
-    def fetched(self, comm: Collectives, rel: str, iteration: int) -> Iterator[CheckpointFiles]:
+    def fetched(self, comm: Collectives, rel: str, iteration: int, cache: bool = False) -> Iterator[CheckpointFiles]:
         """Steps (the checkpoint ``rel`` resolved by rank 0, see :func:`~.protocol.reading`):
             1. Rank 0 reads the manifest and lists the checkpoint's objects -- one LIST per load, whatever the world
                size -- checks the listing against the manifest and tells every rank.
-            2. The lowest rank of each host fetches into a fresh directory, hashing each object as it streams: for a
-               format read by ranges (``torch_dist``) only the small files (manifest, ``.metadata``) -- every rank
-               then reads the data objects where they lie, by ranged GETs of the bytes it needs, verified as they
-               are read (:mod:`~.store_reads`) -- else every recorded object. Any missing, resized, damaged or
-               unlisted object fails the load on every rank, named by its URL.
-            3. The caller loads; library errors naming the local directory name the URL instead.
-            4. Once every rank is done, the local directories are deleted.
+            2. The lowest rank of each host fetches, hashing each object as it streams:
+               * ``cache`` (a base): the whole checkpoint into the host's base cache, unless a run already left it
+                 there (:mod:`~.base_cache`; a hit is read like a local checkpoint, verified as it is read);
+               * a format read by ranges (``torch_dist``): only the small files (manifest, ``.metadata``), into a
+                 fresh directory -- every rank then reads the data objects where they lie, by ranged GETs of the
+                 bytes it needs, verified as they are read (:mod:`~.store_reads`);
+               * else every recorded object, into a fresh directory.
+               Any missing, resized, damaged or unlisted object fails the load on every rank, named by its URL.
+            3. The caller loads; library errors naming the local directory name the URL instead (a damaged copy in
+               the base cache is named as such, and deleted).
+            4. Once every rank is done, a fresh directory is deleted.
         """
         url = self.store.url_of(rel)
         found: tuple[str, bytes, tuple[dict[str, int], dict[str, str]]] | CheckpointError | None = None
@@ -288,36 +293,54 @@ class StorePrefix(Location):
         assert found is not None
         token, data, listed = found
         manifest = Manifest.from_json(data, self.store.url_of(f"{rel}/{MANIFEST_FILENAME}"))  # type: ignore[arg-type]
-        in_place = _reads_by_range(manifest)
+        in_place = _reads_by_range(manifest) and not cache
         hosts = comm.gather(socket.gethostname())
-        downloads = hosts.index(hosts[comm.rank]) == comm.rank
-        local = cache_root() / "fetch" / token / iteration_dirname(iteration)
+        downloader = hosts.index(hosts[comm.rank])
+        bases = BaseCache(cache_root() / "bases")
+        local = bases.entry(bases.key(data)) if cache else cache_root() / "fetch" / token / iteration_dirname(iteration)
         problems = list(listed[1].values())
         error = None
-        if downloads:  # 2.
+        hit = False
+        with contextlib.ExitStack() as held:
+            if comm.rank == downloader:  # 2.
+                try:
+                    if cache:
+                        local, hit, problems = held.enter_context(bases.use(
+                            bases.key(data), lambda into: self._fill(rel, manifest, data, listed, into)))
+                    else:
+                        problems = self._fill(rel, manifest, data, listed, local, only_small=in_place)
+                except (CheckpointError, OSError) as e:
+                    error = e
+            comm.agree(error)
+            bad = sorted({p for ps in comm.gather(problems) for p in ps})
+            hit = comm.gather(hit)[downloader]
+            files = StoreFiles(local, self.store, rel, listed[0]) if in_place else \
+                CheckpointFiles(local, url, hashed=not hit, cached=local if cache else None)
             try:
-                problems = fetch_files(self.store, rel, manifest, local, listed,
-                                       only=(lambda name: not is_data_file(name)) if in_place else None)
-                (local / MANIFEST_FILENAME).write_bytes(data)
-            except (CheckpointError, OSError) as e:
-                error = e
-        comm.agree(error)
-        bad = sorted({p for ps in comm.gather(problems) for p in ps})
-        files = StoreFiles(local, self.store, rel, listed[0]) if in_place else CheckpointFiles(local, url, hashed=True)
-        try:
-            raised = damaged(url, bad)  # type: ignore[arg-type]
-            if raised is not None:
-                raised.every_rank = True
-                raise raised
-            try:
-                yield files  # 3.
-            except BaseException as e:
-                raise renamed_error(e, local, url) from None
-        finally:
-            files.close()
-            comm.barrier()  # 4.
-            if downloads:
-                shutil.rmtree(local.parent, ignore_errors=True)
+                raised = damaged(url, bad)  # type: ignore[arg-type]
+                if raised is not None:
+                    raised.every_rank = True
+                    raise raised
+                try:
+                    yield files  # 3.
+                except BaseException as e:
+                    if hit:
+                        raise _cached_copy_error(e, bases, local, comm.rank == downloader) from None
+                    raise renamed_error(e, local, url) from None
+            finally:
+                files.close()
+                comm.barrier()  # 4.
+                if comm.rank == downloader and not cache:
+                    shutil.rmtree(local.parent, ignore_errors=True)
+
+    def _fill(self, rel: str, manifest: Manifest, data: bytes, listed: tuple[dict[str, int], dict[str, str]],
+              into: Path, only_small: bool = False) -> list[str]:
+        """Fetch the checkpoint ``rel`` into ``into``, every object hashed as it streams (``only_small``: not its
+        data files), then write its manifest; the objects found bad."""
+        problems = fetch_files(self.store, rel, manifest, into, listed,
+                               only=(lambda name: not is_data_file(name)) if only_small else None)
+        (into / MANIFEST_FILENAME).write_bytes(data)
+        return problems
 
     def copy_committed(self, rel: str, iteration: int) -> CommittedCopy:
         """Download the committed checkpoint ``rel`` into a fresh local copy, every object verified as it streams;
@@ -334,6 +357,19 @@ class StorePrefix(Location):
         problems = fetch_files(self.store, rel, manifest, local)
         (local / MANIFEST_FILENAME).write_bytes(data)
         return manifest, problems
+
+
+def _cached_copy_error(e: BaseException, bases: BaseCache, local: Path, discard: bool) -> BaseException:
+    """A load of a base from the host's cache failed: damage is the cached copy's (not the store's), said so, and
+    the copy is deleted (by the rank that fetched it) so that the next run fetches the base again."""
+    if not isinstance(e, CheckpointIntegrityError):
+        return e
+    if discard:
+        bases.discard(local.name)
+    if e.args and isinstance(e.args[0], str):
+        e.args = (f"{e.args[0]}\n(this is the copy of the base in the host's base cache, {local}: it was deleted, "
+                  "the next run fetches the base from the store again)", *e.args[1:])
+    return e
 
 
 def _reads_by_range(manifest: Manifest) -> bool:

@@ -28,13 +28,16 @@ class CheckpointFiles:
     """The name messages give the checkpoint when ``root`` is not it (a store's URL); ``None``: ``root`` is."""
     hashed = False
     """Every file was already hashed against the manifest (a verified copy): a load does not hash them again."""
+    cached: Path | None = None
     verified_while_read = False
     """Its data files are verified only as they are read (the reads never see a whole local file)."""
 
-    def __init__(self, root: Path, url: str | None = None, hashed: bool = False) -> None:
+    def __init__(self, root: Path, url: str | None = None, hashed: bool = False, cached: Path | None = None) -> None:
         self.root = root
         self.url = url
         self.hashed = hashed
+        self.cached = cached
+        """The host's cached copy of the checkpoint that ``root`` is (a base fetched from a store), if it is one."""
 
     @property
     def listed(self) -> Mapping[str, int] | None:
