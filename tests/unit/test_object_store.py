@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,21 +22,8 @@ from peftckpt.checkpoint.location.urls import parse_location, url_problem
 from peftckpt.checkpoint.options import LoadOptions, SaveOptions
 from peftckpt.checkpoint.storage.object_store import ObjectStore
 
-from ..s3_server import BUCKET, S3Server, s3_server
+from ..s3_server import BUCKET, S3Server
 from .small_model import small_checkpointer
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with s3_server(tmp_path_factory.mktemp("cache")) as s:
-        yield s
-
-
-@pytest.fixture
-def s3(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for k, v in server.env.items():
-        monkeypatch.setenv(k, v)
-    return server
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

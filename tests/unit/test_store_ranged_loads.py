@@ -5,7 +5,6 @@ Against a real S3-compatible server (moto's, on 127.0.0.1)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,24 +19,11 @@ from peftckpt.checkpoint.storage import object_ranges
 from peftckpt.checkpoint.storage.object_ranges import ObjectSource
 from peftckpt.checkpoint.storage.object_store import ObjectStore
 
-from ..s3_server import BUCKET, S3Server, s3_server
+from ..s3_server import BUCKET, S3Server
 
 LAYOUT = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}
 COORDS = {"tp": 0, "pp": 0, "dp": 0}
 WIDTH = 768  # ~7 MB of weights and Adam moments: several verification blocks and parts per item
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with s3_server(tmp_path_factory.mktemp("cache")) as s:
-        yield s
-
-
-@pytest.fixture
-def s3(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for k, v in server.env.items():
-        monkeypatch.setenv(k, v)
-    return server
 
 
 def _checkpointer(seed: int) -> tuple[Checkpointer, nn.Module]:
@@ -111,6 +97,25 @@ def test_damage_in_a_ranged_read_is_named_by_url(s3: S3Server) -> None:
     said = str(raised.value)
     assert f"{url}/iter_0000001/__0_0.distcp: xxh3_64 checksum mismatch" in said, said
     assert "/fetch/" not in said  # no local path leaks into the message
+
+
+def test_verify_first_downloads_and_checks_everything_before_the_model_changes(s3: S3Server,
+                                                                              reads: dict[str, list]) -> None:
+    """LoadOptions(verify_while_reading=False) from a store (hot-swapping an adapter into a model that must stay
+    intact): every object is hashed before anything is read, so a damaged one leaves the model untouched."""
+    source, _ = _checkpointer(0)
+    url = s3.url("ranged/verify-first")
+    source.save(url, 1)
+    target, model = _checkpointer(1)
+    assert target.load(url, LoadOptions(verify_while_reading=False)).bytes_fetched is None  # a verified copy
+    assert any(rel.endswith(".distcp") for rel in reads["downloaded"])
+    s3.flip_byte("ranged/verify-first/iter_0000001/__0_0.distcp", offset=100_000)
+    other, untouched = _checkpointer(2)
+    before = {k: v.clone() for k, v in untouched.state_dict().items()}
+    with pytest.raises(CheckpointError, match=f"{url}/iter_0000001/__0_0.distcp: xxh3_128 checksum mismatch"):
+        other.load(url, LoadOptions(verify_while_reading=False))
+    for k, v in untouched.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 def test_a_data_object_without_a_block_index_is_hashed_whole(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,8 @@ collective.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,8 @@ import torch.distributed as dist
 from .errors import CheckpointError
 
 __all__ = ["Collectives"]
+
+T = TypeVar("T")
 
 
 def _host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -56,6 +59,21 @@ class Collectives:
         holder = [obj]
         dist.broadcast_object_list(holder, group_src=0, group=self.group)
         return holder[0]
+
+    def first_answers(self, ask: Callable[[], T]) -> T:
+        """``ask()`` run by rank 0 alone, its answer on every rank; a :class:`CheckpointError` it raises is raised
+        on every rank with its type (and said once: ``every_rank``)."""
+        answer: T | CheckpointError | None = None
+        if self.rank == 0:
+            try:
+                answer = ask()
+            except CheckpointError as e:
+                answer = e
+        answer = self.broadcast_from_first(answer)
+        if isinstance(answer, CheckpointError):
+            answer.every_rank = True
+            raise answer
+        return cast(T, answer)
 
     def barrier(self) -> None:
         if self.distributed:

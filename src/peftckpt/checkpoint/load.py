@@ -164,7 +164,8 @@ class Loads:
         except CheckpointError as e:
             e.every_rank = True
             raise
-        with protocol.reading(location, self.comm, cache) as files:
+        verify_first = options.verify_checksums and not options.verify_while_reading
+        with protocol.reading(location, self.comm, cache, verify_first) as files:
             if files is None:
                 yield path, options, None
                 return

@@ -44,8 +44,9 @@ class LoadOptions:
     """Hash the data files while DCP reads them (the read and the hashing overlap; the file is read from disk
     once). A damaged file is still reported, naming it, but after the model and optimizer received values
     from it. False verifies every file before anything is read (e.g. to hot-swap an adapter into a model
-    that must stay intact if the new one is damaged). Presence, sizes and the small files (manifest, DCP
-    metadata) are always checked first."""
+    that must stay intact if the new one is damaged; from an object store this downloads the checkpoint, every
+    object hashed, before anything is read, instead of reading its objects in place). Presence, sizes and the
+    small files (manifest, DCP metadata) are always checked first."""
     verify_base: bool = True
     base_cache: bool = True
     """``load_pretrained`` of a base on an object store keeps a verified copy of it in the host's base cache

@@ -263,10 +263,12 @@ class Location(ABC):
     location itself."""
 
     @contextlib.contextmanager
-    def fetched(self, comm: Collectives, rel: str, iteration: int, cache: bool = False) -> Iterator[CheckpointFiles]:
+    def fetched(self, comm: Collectives, rel: str, iteration: int, cache: bool = False, verify_first: bool = False
+                ) -> Iterator[CheckpointFiles]:
         """Collective (where :attr:`fetched_to_read`): the files of the committed checkpoint ``rel`` (resolved by
         :func:`~.protocol.reading`) as a load reads them, its small files verified in a local directory
-        (``cache``: a base, kept whole in the host's base cache for the next run)."""
+        (``cache``: a base, kept whole in the host's base cache for the next run; ``verify_first``: every file
+        verified before the load reads any)."""
         raise NotImplementedError(f"{type(self).__name__} is read in place")
         yield  # pragma: no cover - a generator, for the context manager
 

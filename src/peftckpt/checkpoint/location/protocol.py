@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from .base import CommittedCopy, Location, SaveTarget
 from .names import (
     MANIFEST_FILENAME,
@@ -205,33 +205,28 @@ _IN_PROGRESS_GUARD = threading.Lock()
 
 
 @contextlib.contextmanager
-def reading(loc: Location, comm: Collectives, cache: bool = False) -> Iterator[CheckpointFiles | None]:
+def reading(loc: Location, comm: Collectives, cache: bool = False, verify_first: bool = False
+            ) -> Iterator[CheckpointFiles | None]:
     """Collective: the files a load reads the committed checkpoint ``loc`` designates from, where they are not the
     location itself (``None``: a directory, read in place, which the load resolves). A location read through a local
     directory of its own (a store's: its small files, or a verified copy) is resolved by rank 0 (its warnings said there), its error
     raised on every rank with its type -- a caller tells "no checkpoint yet" (:class:`CheckpointNotFoundError`, a
     first ``--load`` that starts from scratch) from a real failure the same way on every rank -- and then fetched
-    (:meth:`Location.fetched`; ``cache``: a base, kept in the host's base cache)."""
+    (:meth:`Location.fetched`; ``cache``: a base, kept in the host's base cache; ``verify_first``: every file
+    verified before the load reads any)."""
     if not loc.fetched_to_read:
         yield None
         return
-    resolved: tuple[str, int] | CheckpointError | None = None
-    if comm.rank == 0:
-        try:
-            with warnings.catch_warnings(record=True) as said:
-                warnings.simplefilter("always")
-                resolved = resolve(loc)
-            for w in said:
-                warnings.warn(w.message, w.category, stacklevel=3)
-        except CheckpointError as e:
-            resolved = e
-    resolved = comm.broadcast_from_first(resolved)
-    if isinstance(resolved, CheckpointError):
-        resolved.every_rank = True
-        raise resolved
-    assert resolved is not None
-    rel, iteration = resolved
-    with loc.fetched(comm, rel, iteration, cache=cache) as files:
+    def resolved_here() -> tuple[str, int]:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            found = resolve(loc)
+        for w in said:
+            warnings.warn(w.message, w.category, stacklevel=5)
+        return found
+
+    rel, iteration = comm.first_answers(resolved_here)
+    with loc.fetched(comm, rel, iteration, cache=cache, verify_first=verify_first) as files:
         yield files
 
 

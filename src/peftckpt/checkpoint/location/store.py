@@ -262,16 +262,17 @@ class StorePrefix(Location):
     fetched_to_read = True
 
     @contextlib.contextmanager
-    def fetched(self, comm: Collectives, rel: str, iteration: int, cache: bool = False) -> Iterator[CheckpointFiles]:
+    def fetched(self, comm: Collectives, rel: str, iteration: int, cache: bool = False, verify_first: bool = False
+                ) -> Iterator[CheckpointFiles]:
         """Steps (the checkpoint ``rel`` resolved by rank 0, see :func:`~.protocol.reading`):
             1. Rank 0 reads the manifest and lists the checkpoint's objects -- one LIST per load, whatever the world
                size -- checks the listing against the manifest and tells every rank.
             2. The lowest rank of each host fetches, hashing each object as it streams:
                * ``cache`` (a base): the whole checkpoint into the host's base cache, unless a run already left it
                  there (:mod:`~.base_cache`; a hit is read like a local checkpoint, verified as it is read);
-               * a format read by ranges (``torch_dist``): only the small files (manifest, ``.metadata``), into a
-                 fresh directory -- every rank then reads the data objects where they lie, by ranged GETs of the
-                 bytes it needs, verified as they are read (:mod:`~.store_reads`);
+               * a format read by ranges (``torch_dist``), unless ``verify_first``: only the small files (manifest,
+                 ``.metadata``), into a fresh directory -- every rank then reads the data objects where they lie,
+                 by ranged GETs of the bytes it needs, verified as they are read (:mod:`~.store_reads`);
                * else every recorded object, into a fresh directory.
                Any missing, resized, damaged or unlisted object fails the load on every rank, named by its URL.
             3. The caller loads; library errors naming the local directory name the URL instead (a damaged copy in
@@ -279,21 +280,14 @@ class StorePrefix(Location):
             4. Once every rank is done, a fresh directory is deleted.
         """
         url = self.store.url_of(rel)
-        found: tuple[str, bytes, tuple[dict[str, int], dict[str, str]]] | CheckpointError | None = None
-        if comm.rank == 0:  # 1.
-            try:
-                manifest, data = read_remote_manifest(self.store, rel)
-                found = (secrets.token_hex(6), data, list_checked(self.store, rel, manifest))
-            except CheckpointError as e:
-                found = e
-        found = comm.broadcast_from_first(found)
-        if isinstance(found, CheckpointError):
-            found.every_rank = True
-            raise found
-        assert found is not None
-        token, data, listed = found
+
+        def listed_manifest() -> tuple[str, bytes, tuple[dict[str, int], dict[str, str]]]:
+            manifest, data = read_remote_manifest(self.store, rel)
+            return secrets.token_hex(6), data, list_checked(self.store, rel, manifest)
+
+        token, data, listed = comm.first_answers(listed_manifest)  # 1.
         manifest = Manifest.from_json(data, self.store.url_of(f"{rel}/{MANIFEST_FILENAME}"))  # type: ignore[arg-type]
-        in_place = _reads_by_range(manifest) and not cache
+        in_place = _reads_by_range(manifest) and not cache and not verify_first
         hosts = comm.gather(socket.gethostname())
         downloader = hosts.index(hosts[comm.rank])
         bases = BaseCache(cache_root() / "bases")
