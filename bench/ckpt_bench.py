@@ -606,7 +606,10 @@ def main(argv: list[str] | None = None) -> int:
         earlier = json.loads(args.from_json.read_text())
         text, earlier["targets"] = report(earlier)
         print(text)
-        args.output.write_text(json.dumps(earlier, indent=2, default=str) + "\n")
+        # Re-rendered targets go back into the file read, unless --output names another (never over the last run's
+        # results by default).
+        output = args.output if any(a == "--output" or a.startswith("--output=") for a in argv) else args.from_json
+        output.write_text(json.dumps(earlier, indent=2, default=str) + "\n")
         return 0
     _quiet()
     started = time.time()

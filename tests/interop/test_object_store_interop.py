@@ -6,6 +6,7 @@ are byte-identical to the same exports of local copies."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,7 +78,12 @@ def test_tp2_lora_from_an_hf_directory_on_the_store_is_the_local_run(s3: S3Serve
                         str(tmp_path / name), "--save-trainable-params-only", "--log-interval", "100",
                         "--device", "cpu"], nproc=2, extra_env=s3.env)
         said[name] = run.stdout
-    assert f"loaded base weights from {s3.url('interop/hf')} (HF safetensors)" in said["store"], said["store"]
+    assert f"loaded base weights from {hf_dir} (HF safetensors)" in said["local"], said["local"]
+    fetched = re.search(rf"loaded base weights from {re.escape(s3.url('interop/hf'))} \(HF safetensors; rank 0 "
+                        r"fetched ([\d,]+) bytes by ranged reads\)", said["store"])
+    assert fetched is not None, said["store"]
+    stored = sum(p.stat().st_size for p in hf_dir.glob("*.safetensors"))
+    assert int(fetched.group(1).replace(",", "")) < 0.75 * stored  # the rows of its shards, not the files
     local, store = (read_dcp_tensors(tmp_path / name / "iter_0000002") for name in ("local", "store"))
     assert local.keys() == store.keys() and any(k.startswith("optimizer.") for k in local)
     for k in local:

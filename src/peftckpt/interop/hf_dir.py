@@ -93,6 +93,12 @@ class HFModelDir:
         """Our model tensors: name -> (global shape, dtype in the HF files)."""
 
     @property
+    def bytes_fetched(self) -> int | None:
+        """Bytes this process fetched from a store for the directory's tensors and headers (``None``: on disk)."""
+        counts = [f.bytes_fetched for f in self.files.values()]
+        return None if any(c is None for c in counts) else sum(c or 0 for c in counts)
+
+    @property
     def shown(self) -> str:
         """The directory as the user named it, made absolute (or its URL)."""
         return self.location.absolute().describe()

@@ -109,6 +109,11 @@ class SafetensorsFile:
                                        f"{data_start + end}, the file has {size}")
             self.tensors[name] = TensorInfo(dtype, shape, data_start + begin)
 
+    @property
+    def bytes_fetched(self) -> int | None:
+        """Bytes fetched from a store by this file's reads so far (``None``: a local file)."""
+        return getattr(self._source, "fetched", None)
+
     @contextlib.contextmanager
     def _opened(self) -> Iterator[ByteSource]:
         """The file to read: the source it was opened with, or the local file opened for this one read (a model

@@ -86,7 +86,9 @@ def load_base(ckpt: Checkpointer, path: str, options: LoadOptions, then: Callabl
                            lambda key, offsets, sizes: hf.read(key.removeprefix(f"{MODEL}."), offsets, sizes),
                            lambda key, offsets, out: hf.read_into(key.removeprefix(f"{MODEL}."), offsets, out),
                            then)
-    return f"{path} (HF safetensors)"
+    fetched = hf.bytes_fetched
+    return f"{path} (HF safetensors" + ("" if fetched is None else
+                                        f"; rank 0 fetched {fetched:,} bytes by ranged reads") + ")"
 
 
 def described(result: LoadResult) -> str:
