@@ -21,7 +21,12 @@ disk); pages read once are the kernel's first to evict anyway. Several direct re
 small thread pool; ``preadv`` releases the GIL); reads through a buffer run one at a time, so a load holds at most
 one such buffer (the span of one stored tensor). Objects are read whole and go through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a block
 index (stock DCP's, earlier peftckpt's), items the index does not list, and a file whose index is damaged
-(reported, when verifying) are read by the stock path. Reads stay inside the recorded sizes: an index entry must
+(reported, when verifying) are read by the stock path -- or, for files that are not local, by the byte range the
+``.metadata`` records for each item, loaded with ``torch.load(weights_only=True)``.
+
+Each data file is read through a :class:`~peftckpt.checkpoint.storage.byte_sources.ByteSource`: the local file
+(``preadv`` as above), or -- ``sources`` given -- an object on a store read by ranged GETs, which is told the ranges
+of the file's items first so that it fetches them ahead, merged into few requests. Reads stay inside the recorded sizes: an index entry must
 lie inside its file and agree with the ``.metadata``'s item and chunk, or the stock path reads that item.
 """
 
