@@ -115,26 +115,31 @@ def _item_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[s
     if not isinstance(storage, dict):
         return [f"{root}/.metadata: has no storage item table (not written by a file-system DCP writer)"], lengths
     ranges: dict[str, list[tuple[int, int, str]]] = {}
+    sizes: dict[str, int | str] = {}
+    """Per file named by an item (a few, for thousands of items): its recorded size, or why it may not be read."""
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             problems.append(f"{root}/.metadata: a storage item of unexpected type {type(info).__name__}")
             continue
         rel, offset, length = info.relative_path, info.offset, info.length
-        where = f"{root}/.metadata: storage item of {index.fqn!r}"
         if info.transform_descriptors:
-            problems.append(f"{where} is stored through transforms {info.transform_descriptors!r} "
-                            "(compression?), which peftckpt never writes")
+            problems.append(f"{root}/.metadata: storage item of {index.fqn!r} is stored through transforms "
+                            f"{info.transform_descriptors!r} (compression?), which peftckpt never writes")
             continue
-        why = relpath_problem(rel)
-        if why is not None:
-            problems.append(f"{where} names file {rel!r}, which {why}; refusing to read outside the checkpoint")
+        size = sizes.get(rel) if isinstance(rel, str) else None
+        if size is None:
+            why = relpath_problem(rel)
+            size = (f"names file {rel!r}, which {why}; refusing to read outside the checkpoint" if why is not None
+                    else f"is in {root / rel}, a file the manifest does not list" if rel not in files
+                    else files[rel]["size"])
+            if isinstance(rel, str):
+                sizes[rel] = size
+        if isinstance(size, str):
+            problems.append(f"{root}/.metadata: storage item of {index.fqn!r} {size}")
             continue
-        if rel not in files:
-            problems.append(f"{where} is in {root / rel}, a file the manifest does not list")
-            continue
-        if not (_is_count(offset) and _is_count(length)) or offset + length > files[rel]["size"]:
-            problems.append(f"{where}: bytes [{offset}, {offset}+{length}) lie outside {root / rel} "
-                            f"({files[rel]['size']} bytes)")
+        if not (_is_count(offset) and _is_count(length)) or offset + length > size:
+            problems.append(f"{root}/.metadata: storage item of {index.fqn!r}: bytes [{offset}, {offset}+{length}) "
+                            f"lie outside {root / rel} ({size} bytes)")
             continue
         lengths[index] = length
         ranges.setdefault(rel, []).append((offset, length, index.fqn))
