@@ -292,7 +292,7 @@ class StorePrefix(Location):
         downloader = hosts.index(hosts[comm.rank])
         bases = BaseCache(cache_root() / "bases")
         local = bases.entry(bases.key(data)) if cache else cache_root() / "fetch" / token / iteration_dirname(iteration)
-        problems = list(listed[1].values())
+        problems: list[str] = []  # the downloaders report the listing's problems with their own (a cache hit: none)
         error = None
         hit = False
         with contextlib.ExitStack() as held:
