@@ -39,8 +39,8 @@ _SHARED_GUARD = threading.Lock()
 
 
 def shared_pool() -> ThreadPoolExecutor:
-    """The pool of the ranged GETs of objects read outside a checkpoint load (an HF base's safetensors files),
-    :data:`GET_THREADS` in flight, made once per process."""
+    """The pool of every ranged GET of this process (checkpoint loads, an HF base's safetensors files),
+    :data:`GET_THREADS` in flight, made once."""
     global _SHARED
     with _SHARED_GUARD:
         if _SHARED is None:
@@ -52,7 +52,6 @@ class StoreFiles(CheckpointFiles):
     """The checkpoint ``rel`` of ``store``: small files under ``root``, data files read as objects of the listed
     ``sizes`` (module docstring)."""
 
-    hashed = False
     verified_while_read = True
 
     def __init__(self, root: Path, store: ObjectStore, rel: str, sizes: Mapping[str, int]) -> None:
@@ -61,7 +60,6 @@ class StoreFiles(CheckpointFiles):
         self._store = store
         self._rel = rel
         self._sizes = dict(sizes)
-        self._pool = ThreadPoolExecutor(max_workers=GET_THREADS, thread_name_prefix="peftckpt-get")
         self._opened: dict[str, ObjectSource] = {}
         self._lock = threading.Lock()
 
@@ -79,7 +77,7 @@ class StoreFiles(CheckpointFiles):
             if name not in self._opened:
                 if name not in self._sizes:
                     raise FileNotFoundError(2, "not listed in the checkpoint", self._store.url_of(self._key(name)))
-                self._opened[name] = ObjectSource(self._store, self._key(name), self._sizes[name], self._pool)
+                self._opened[name] = ObjectSource(self._store, self._key(name), self._sizes[name], shared_pool())
             return self._opened[name]
 
     def _key(self, name: str) -> str:
@@ -122,4 +120,3 @@ class StoreFiles(CheckpointFiles):
     def close(self) -> None:
         for source in self._opened.values():
             source.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -24,18 +24,15 @@ __all__ = ["CheckpointFiles"]
 class CheckpointFiles:
     """A checkpoint directory ``root`` read in place (see the module docstring)."""
 
-    url: str | None = None
-    """The name messages give the checkpoint when ``root`` is not it (a store's URL); ``None``: ``root`` is."""
-    hashed = False
-    """Every file was already hashed against the manifest (a verified copy): a load does not hash them again."""
-    cached: Path | None = None
     verified_while_read = False
     """Its data files are verified only as they are read (the reads never see a whole local file)."""
 
     def __init__(self, root: Path, url: str | None = None, hashed: bool = False, cached: Path | None = None) -> None:
         self.root = root
         self.url = url
+        """The name messages give the checkpoint when ``root`` is not it (a store's URL); ``None``: ``root`` is."""
         self.hashed = hashed
+        """Every file was already hashed against the manifest (a verified copy): a load does not hash them again."""
         self.cached = cached
         """The host's cached copy of the checkpoint that ``root`` is (a base fetched from a store), if it is one."""
 

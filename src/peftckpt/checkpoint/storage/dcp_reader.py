@@ -176,8 +176,8 @@ class RangedFileSystemReader(SafeFileSystemReader):
         index = self._index(source)
         items = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
         entries = [self._entry(index, item) for item in items]
-        source.expect([self._range(item, entry) for item, entry in zip(items, entries)
-                       if entry is not None or self._sources is not None])
+        if self._sources is not None:  # a local file reads on demand: nothing to plan
+            source.expect([self._range(item, entry) for item, entry in zip(items, entries)])
         stock: list[ReadItem] = []
         jobs: list[tuple[ReadItem, PoolFuture[Any]]] = []
         for item, entry in zip(items, entries):
