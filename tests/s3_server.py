@@ -39,7 +39,8 @@ class S3Server:
                                                           method="POST"), timeout=10).close()
 
     def requests(self) -> Counter[str]:
-        """The requests served since :meth:`record`, by S3 operation: ``LIST``, ``HEAD``, ``GET`` (ranged or
+        """The requests served since :meth:`record`, by S3 operation: ``LIST`` (of objects or of unfinished
+        uploads), ``HEAD``, ``GET`` (ranged or
         not), ``PUT`` (objects, parts and copies), ``POST`` (multipart uploads, batch deletes), ``DELETE``; and apart,
         ``LEASE``: any request on the run lock's lease object (taken, renewed every quarter lease while the run holds
         the location, so its count grows with the run's duration, not with what a save or load does)."""
@@ -52,7 +53,7 @@ class S3Server:
             query = parse_qs(parts.query, keep_blank_values=True)
             on_bucket = parts.path.strip("/").count("/") == 0
             method = entry["method"]
-            listing = method == "GET" and on_bucket and ("list-type" in query or "prefix" in query
+            listing = method == "GET" and on_bucket and ("list-type" in query or "prefix" in query or "uploads" in query
                                                          or "delimiter" in query or not query)
             lease = parts.path.endswith(f"/{LOCK_FILENAME}")
             counts["LEASE" if lease else "LIST" if listing else method] += 1

@@ -95,16 +95,19 @@ def commit_outcome(c: PendingCommit, reached: Sequence[str]) -> str:
 
 
 def _own_files(c: PendingCommit, rank: int) -> tuple[list[Path], dict[str, Any]]:
-    """The files this rank wrote and their records (digests taken while writing where there are)."""
-    written = storage_format(c.options.ckpt_format, "SaveOptions.ckpt_format").files_written_by(
+    """The files this rank wrote into the staging directory, and the records of those and of the files it streamed
+    to the location (digests taken while writing where there are)."""
+    local = storage_format(c.options.ckpt_format, "SaveOptions.ckpt_format").files_written_by(
         c.staging, rank, c.coords, c.layout)
-    checksum = checksum_files if c.written.checksums is None else c.written.checksums.checksums
-    return written, checksum(written, c.staging)
+    if c.written.checksums is None:
+        return local, checksum_files(local, c.staging)
+    return local, c.written.checksums.checksums([*local, *c.written.checksums.streamed], c.staging)
 
 
 def hand_over_files(c: PendingCommit, rank: int) -> dict[str, Any]:
-    """This rank's written files, checksummed and handed to the location (a store uploads them; an async save's
-    thread calls it once its write is done, so an upload overlaps training too); their records."""
+    """This rank's written files, checksummed and handed to the location (a store uploads those it did not
+    stream already; an async save's thread calls it once its write is done, so an upload overlaps training too);
+    their records."""
     if c.handed_over is None:
         files, records = _own_files(c, rank)
         c.location.upload(c.target, files, rank)

@@ -131,7 +131,8 @@ class Saves:
         try:
             commit.written = fmt.write(WriteJob(
                 flat, commit.staging, iteration, options, p.rank, p.coords, p.layout, self.comm.group, p.chunks,
-                p.optimizer, self.host_buffers, self._async_group, self._after_write(commit), commit.plans))
+                p.optimizer, self.host_buffers, self._async_group, self._after_write(commit), commit.plans,
+                stream_to=commit.location.stream_to(commit.target, p.rank)))
             self.pending = commit if commit.written.future is not None else None
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             error = unwrap_dcp_error(e)
@@ -184,7 +185,8 @@ class Saves:
                 with paused_gc():
                     written = fmt.write(WriteJob(
                         flat, commit.staging, commit.iteration, commit.options, p.rank, p.coords, p.layout, comm.group,
-                        p.chunks, p.optimizer, self.host_buffers, plans=commit.plans, on_snapshot=on_snapshot))
+                        p.chunks, p.optimizer, self.host_buffers, plans=commit.plans, on_snapshot=on_snapshot,
+                        stream_to=commit.location.stream_to(commit.target, p.rank)))
                     commit.written.checksums, commit.written.metadata = written.checksums, written.metadata
                     after_write()
             finally:

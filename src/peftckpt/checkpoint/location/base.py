@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..collectives import Collectives
     from ..storage.byte_sources import ByteSource
     from ..storage.checkpoint_files import CheckpointFiles
+    from ..storage.checksums import StreamTo
     from ..storage.manifest import Manifest
 
 __all__ = ["Location", "SaveTarget", "Held", "CommittedCopy"]
@@ -196,6 +197,17 @@ class Location(ABC):
     @abstractmethod
     def begin_save(self, iteration: int, token: str) -> SaveTarget:
         """Create the place a save of ``iteration`` writes into (``token``: unique per save, no ``.`` or ``/``)."""
+
+    def stream_to(self, target: SaveTarget, rank: int) -> StreamTo | None:
+        """Where ``rank``'s data files for ``target`` go as they are written, instead of into ``target.local``
+        (a store: each straight into its object, see :mod:`~peftckpt.checkpoint.storage.object_writes`); ``None``:
+        they are written in place."""
+        return None
+
+    def abort_unfinished(self, keep: set[str]) -> int:
+        """Abandon what streamed writes of interrupted saves left unfinished outside ``keep`` (on a store,
+        multipart uploads nobody will complete); how many. A directory has none: its files are the writes."""
+        return 0
 
     @abstractmethod
     def upload(self, target: SaveTarget, files: list[Path], rank: int, keep: bool = False) -> None:

@@ -264,6 +264,8 @@ def clean(loc: Location, keep: str | None = None) -> tuple[list[str], list[str]]
         2. Every other staging or trash name, except ``keep`` and the saves in progress in this process
            (:func:`claim`), is deleted; on a location that writes fresh iterations in place, so is every
            ``iter_*`` without its manifest.
+        3. Streamed writes that interrupted saves left unfinished, outside those names, are abandoned
+           (:meth:`~peftckpt.checkpoint.location.base.Location.abort_unfinished`).
 
     Call it from the committing rank holding the run lock, before any rank writes.
     """
@@ -280,6 +282,7 @@ def clean(loc: Location, keep: str | None = None) -> tuple[list[str], list[str]]
                                       and not loc.holds_manifest(name)):
             loc.remove(name)
             removed.append(name)
+    loc.abort_unfinished(busy | ({keep} if keep else set()))  # 3.
     loc.cleaned(bool(restored or removed))
     return restored, removed
 

@@ -17,7 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -36,6 +36,7 @@ __all__ = [
     "checksum_file",
     "checksum_files",
     "ChecksummingFileSystem",
+    "StreamTo",
     "verify_files",
     "verify_checksums",
     "files_share",
@@ -125,7 +126,7 @@ class _HashingRaw(io.RawIOBase):
     """An unbuffered file that hashes every byte it writes, in order (under an ``io.BufferedWriter``,
     which turns ``torch.save``'s many small writes into a few large ones)."""
 
-    def __init__(self, raw: io.FileIO, digest: Digest):
+    def __init__(self, raw: io.RawIOBase, digest: Digest):
         super().__init__()
         self._raw = raw
         self.digest = digest
@@ -163,17 +164,28 @@ class _HashingRaw(io.RawIOBase):
             super().close()
 
 
+StreamTo = Callable[[Path], io.RawIOBase]
+"""Where a data file's bytes go instead of the local file at that path (a save to an object store: the object)."""
+
+
 class ChecksummingFileSystem(FileSystem):
     """The file system of a DCP ``FileSystemWriter`` that checksums each file *as* it is written.
 
     Every byte DCP writes passes through :class:`_HashingRaw` (DCP writes each file sequentially, with no
     seeks), so no file is read back. :meth:`checksums` gives the records of :func:`checksum_files`; a file
     it did not see written, or whose size differs from what it saw, is hashed afresh from disk.
+
+    ``stream_to``: data files (:func:`is_data_file`) are written through the stream it opens for their path
+    instead of to disk (:attr:`streamed` lists them); the stream is aborted (its ``abort()``) if the write fails,
+    closed (completed) if it succeeds. Other files (DCP's ``.metadata``) are local files as ever.
     """
 
-    def __init__(self, algorithm: str = CHECKSUM_ALGORITHM):
+    def __init__(self, algorithm: str = CHECKSUM_ALGORITHM, stream_to: StreamTo | None = None):
         super().__init__()
         self.algorithm = algorithm
+        self.stream_to = stream_to
+        self.streamed: list[Path] = []
+        """The paths whose files went to :attr:`stream_to`, complete, in the order they were written."""
         self._done: dict[Path, tuple[int, str]] = {}
         self._lock = threading.Lock()
 
@@ -184,11 +196,24 @@ class ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         target = Path(path).absolute()
-        hashing = _HashingRaw(io.FileIO(target, "wb"), new_digest(self.algorithm))
-        with io.BufferedWriter(hashing, buffer_size=_WRITE_BUFFER_BYTES) as stream:
+        streamed = self.stream_to is not None and is_data_file(target.name)
+        raw = self.stream_to(target) if self.stream_to is not None and streamed else io.FileIO(target, "wb")
+        hashing = _HashingRaw(raw, new_digest(self.algorithm))
+        stream = io.BufferedWriter(hashing, buffer_size=_WRITE_BUFFER_BYTES)
+        try:
             yield cast(io.IOBase, stream)
+            stream.close()  # (a streamed file is complete once closed)
+        except BaseException:
+            abort = getattr(raw, "abort", None)
+            if abort is not None:
+                abort()  # nothing of a failed streamed file appears
+            with suppress(Exception):
+                stream.close()
+            raise
         with self._lock:
             self._done[target] = (hashing.written, hashing.digest.hexdigest())
+            if streamed:
+                self.streamed.append(target)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
@@ -206,7 +231,7 @@ class ChecksummingFileSystem(FileSystem):
             p = (p if p.is_absolute() else root_path / p).absolute()
             with self._lock:
                 done = self._done.get(p)
-            if done is not None and done[0] == p.stat().st_size:
+            if done is not None and (p in self.streamed or done[0] == p.stat().st_size):
                 out[_relpath(p, root_path)] = {"size": done[0], "checksum": done[1]}
             else:
                 rest.append(p)

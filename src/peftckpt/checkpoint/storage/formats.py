@@ -39,7 +39,7 @@ from ..gc_pause import paused_gc
 from ..options import SaveOptions
 from ..snapshot import host_copy
 from .byte_sources import ByteSource
-from .checksums import ChecksummingFileSystem
+from .checksums import ChecksummingFileSystem, StreamTo
 from .dcp_reader import RangedFileSystemReader
 from .dcp_writer import FramedFileSystemWriter, save_state_dict
 from .key_listing import KeyListing, list_dcp_keys, list_legacy_keys
@@ -85,6 +85,9 @@ class WriteJob:
     on_snapshot: Callable[[], None] | None = None
     """Set by a save that runs in a thread of its own (a deferred snapshot): the format copies the entries to host
     memory, calls this, and writes them there and then (``async_group`` and ``after_write`` are unused)."""
+    stream_to: StreamTo | None = None
+    """Where data files go as they are written, instead of into ``staging`` (a store: straight into its objects);
+    a format that cannot stream writes them into ``staging``, and the location uploads them."""
 
 
 @dataclass
@@ -217,7 +220,7 @@ class TorchDistFormat:
         # directory fsyncs the staging tree at once; a store's copy is the upload), so each file is synced once.
         writer = FramedFileSystemWriter(job.staging, sync_files=False)
         # Checksum each file as it is written (overlapping I/O and hashing).
-        writer.fs = c.checksums = ChecksummingFileSystem()
+        writer.fs = c.checksums = ChecksummingFileSystem(stream_to=job.stream_to)
         planner = EntrySavePlanner(on_item=fault_hook("data", job.rank, job.iteration))
         if not job.options.async_save:
             with no_zip_crc32():  # for objects, and any tensor the framing leaves to torch.save

@@ -1,7 +1,8 @@
 """Checkpoint locations on object storage: ``s3://bucket/prefix`` (and what else fsspec reaches).
 
 An :class:`ObjectStore` is a thin, typed wrapper over the fsspec file system of one URL's scheme with the few
-operations the commit protocol needs (read, write, upload, download while hashing, list, delete, copy); URLs are
+operations the commit protocol needs (read, write, upload -- whole or in parts --, download while hashing, list,
+delete, copy); URLs are
 parsed and refused by :mod:`peftckpt.checkpoint.location.urls`. Credentials and endpoints come from the store's own standard
 configuration (for S3: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws/config``,
 ``AWS_ENDPOINT_URL``), never from flags, so they never reach a manifest or a log.
@@ -82,24 +83,67 @@ class ObjectStore:
         """Write the object ``rel`` (one PUT: readers see the old object or the new one, never a part)."""
         self.fs.pipe_file(self.key(rel), data)
 
+    def _object_key(self, rel: str) -> str:
+        """The key of ``rel`` within the bucket (what the store's own API calls take)."""
+        return self.key(rel)[len(self.bucket) + 1:]
+
     def exists(self, rel: str) -> bool:
         """Whether the object ``rel`` exists: one HEAD (fsspec's ``exists`` LISTs the prefix after a miss, to
         find a "directory")."""
         try:
-            self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key(rel)[len(self.bucket) + 1:])
+            self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._object_key(rel))
         except FileNotFoundError:
             return False
         return True
 
     def size(self, rel: str) -> int:
         """The size of the object ``rel`` (one HEAD); ``FileNotFoundError`` when absent."""
-        info = self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key(rel)[len(self.bucket) + 1:])
+        info = self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._object_key(rel))
         return int(info["ContentLength"])
 
     # ----------------------------------------------------------------------------------- transfers
     def upload(self, local: Path, rel: str) -> None:
         """Copy the local file ``local`` to the object ``rel`` (multipart for large files)."""
         self.fs.put_file(str(local), self.key(rel))
+
+    # A multipart upload: nothing is visible under ``rel`` until :meth:`finish_upload`, all of it at once.
+    def start_upload(self, rel: str) -> str:
+        """Begin a multipart upload of the object ``rel``; its upload id."""
+        reply = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self._object_key(rel))
+        return str(reply["UploadId"])
+
+    def upload_part(self, rel: str, upload_id: str, number: int, data: bytes | bytearray) -> str:
+        """Upload part ``number`` (from 1; every part but the last at least 5 MiB on S3); its ETag."""
+        reply = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self._object_key(rel), UploadId=upload_id,
+                                PartNumber=number, Body=data)
+        return str(reply["ETag"])
+
+    def finish_upload(self, rel: str, upload_id: str, etags: list[str]) -> None:
+        """Complete the upload from its parts' ETags, in order: the object appears whole."""
+        parts = [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]
+        self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self._object_key(rel),
+                        UploadId=upload_id, MultipartUpload={"Parts": parts})
+        self.fs.invalidate_cache(self.key(rel))
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        """Abandon an unfinished upload: its parts are deleted, nothing appears."""
+        self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self._object_key(rel), UploadId=upload_id)
+
+    def unfinished_uploads(self, rel: str = "") -> list[tuple[str, str]]:
+        """``(name relative to the location, upload id)`` of every multipart upload begun below ``rel`` and
+        neither finished nor aborted (one listing request per 1000)."""
+        below = self._object_key(rel)  # "" for the whole bucket
+        prefix = f"{below}/" if below else ""
+        location = self._object_key("")
+        at = len(location) + 1 if location else 0
+        found: list[tuple[str, str]] = []
+        marks: dict[str, str] = {}
+        while True:
+            reply = self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=prefix, **marks)
+            found += [(u["Key"][at:], u["UploadId"]) for u in reply.get("Uploads", [])]
+            if not reply.get("IsTruncated"):
+                return found
+            marks = {"KeyMarker": reply["NextKeyMarker"], "UploadIdMarker": reply["NextUploadIdMarker"]}
 
     def download(self, rel: str, local: Path, on_block: Callable[[memoryview], None] | None = None,
                  limit: int | None = None) -> int:
