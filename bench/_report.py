@@ -15,7 +15,7 @@ LABELS = {
     "ours_model_only": "ours: adapter only (no optimizer, no RNG)",
     "bare_full": "DCP write of our full entries (no manifest/checksums/commit)",
     "bare_trainable": "DCP write of our trainable entries (no manifest/checksums/commit)",
-    "s3_trainable": "ours: trainable-only to s3:// (local moto server: spool + upload / load by ranged reads)",
+    "s3_trainable": "ours: trainable-only to s3:// (local moto server: data streamed in parts / load by ranged reads)",
     "s3_plain": "plain s3fs put / get of the same files, all in flight at once (same server; no protocol)",
     "plain_dcp": "plain DCP: get_state_dict(ignore_frozen_params) + dcp.save/load",
     "torch_save": "torch.save of the filtered state dict (no fsync)",
