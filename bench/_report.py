@@ -157,6 +157,15 @@ def report(r: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         lines.append("| S3 load: bytes fetched per rank (ranged GETs) / the checkpoint's bytes | "
                      + ", ".join(f"{b / lb['checkpoint']:.3f}" for b in lb["fetched_per_rank"])
                      + f" (of {lb['checkpoint'] / 1e6:.1f} MB) |")
+    if "base_from_store" in r:
+        bs = r["base_from_store"]
+        lines.append(f"| a base ({bs['bytes'] / MB:.0f} MB, {bs['layers']} layers x {bs['hidden']}) loaded before the "
+                     f"first step (`load_pretrained`), from local disk | {_cell(bs['local'])} |")
+        for key, label in (("store_first_run", "a host's first run (fetched whole into the base cache)"),
+                           ("store_cached", "a later run (read from the base cache)"),
+                           ("store_ranged", "`--no-base-cache` (ranged reads)")):
+            lines.append(f"| &nbsp;&nbsp;from S3, {label}: x{_m(bs[key]) / _m(bs['local']):.2f} the local load, "
+                         f"{(bs[key]['bytes_fetched'] or 0) / MB:.0f} MB fetched | {_cell(bs[key])} |")
     lines.append(f"| checksums of the full checkpoint's files (standalone) | {_cell(rows['ours_full']['checksum'])} |")
     if "train_loop" in r:
         tl = r["train_loop"]

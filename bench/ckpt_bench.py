@@ -42,6 +42,7 @@ from _report import report
 from _timing import RAW_BLOCK_BYTES, Ctx, Stat, dir_bytes, evict, machine_info, raw_read, raw_write, rmtree
 from _train_loop import measure_train_loop
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
+from peftckpt.checkpoint.location.store import cache_root
 from peftckpt.checkpoint.state.sections import ensure_optimizer_state
 from peftckpt.checkpoint.storage.checksums import checksum_files
 from peftckpt.checkpoint.storage.formats import no_zip_crc32
@@ -439,6 +440,46 @@ def s3_requests(ctx: Ctx, save: Callable[[], Any], load: Callable[[], Any]) -> d
     return out
 
 
+def measure_base_from_store(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The base a fine-tuning run loads before its first step (``load_pretrained`` of a full checkpoint, one
+    process), from local disk and from the S3 server: a host's first run (fetched whole into the host's base
+    cache), a later run (read from the cache), and ``--no-base-cache`` (ranged reads of the objects). A smaller
+    model than the bench's (4 layers x 1024; the bench's own when it is smaller), so the store's copy stays quick."""
+    ctx = Ctx()
+    dirs = Dirs(work, ctx)
+    small = args.hidden_size < 1024
+    config = model_config(args) if small else model_config(args, num_layers=4, hidden=1024)
+    writer = Bundle.build(args, ctx, config, single=True)
+    local, url = dirs.path("base-local"), f"{os.environ[_s3.S3_ENV]}/base"
+    for where in (local, url):
+        writer.ckpt.save(where, 1, OBJECTS, SaveOptions(trainable_only=False))
+    writer.ckpt.close()
+    del writer
+    reader = Bundle.build(args, ctx, config, single=True).ckpt
+    bases = cache_root() / "bases"
+    results: dict[str, Any] = {}
+
+    def load(name: str, where: str | Path, options: LoadOptions | None = None) -> Callable[[int], Any]:
+        def run(i: int) -> None:
+            results[name] = reader.load_pretrained(where, options)
+        return run
+    stats = ctx.rounds(args.repeats, {
+        "local": (load("local", local), lambda i: dirs.evict(local, args.cache)),
+        "store_first_run": (load("store_first_run", url), lambda i: rmtree(bases)),
+        "store_cached": (load("store_cached", url), lambda i: evict(bases, args.cache)),
+        "store_ranged": (load("store_ranged", url, LoadOptions(base_cache=False)), None),
+    })
+    out: dict[str, Any] = {"bytes": dir_bytes(local), "layers": config.num_layers, "hidden": config.hidden_size}
+    for name, stat in stats.items():
+        out[name] = {**stat.to_dict(), "cache_hit": results[name].cache_hit,
+                     "bytes_fetched": results[name].bytes_fetched}
+    reader.close()
+    dirs.drop(local)
+    _s3.drop(url)
+    rmtree(bases)
+    return out
+
+
 def measure_scaling(args: argparse.Namespace, ctx: Ctx, work: Path) -> dict[str, Any]:
     """Trainable-only save time (ours and plain DCP) as the number of adapter tensors grows; fitted as
     ``fixed + per_tensor * stored_tensors`` (stored = adapter tensors + their two Adam moments)."""
@@ -638,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if args.world_size == 1:
             dist_part["scaling"] = measure_scaling(args, Ctx(), work)
+        if os.environ.get(_s3.S3_ENV):
+            print("[bench] a base loaded from local disk and from the S3 server", flush=True)
+            dist_part["base_from_store"] = measure_base_from_store(args, work)
         if not args.no_train_loop:
             print("[bench] training loop: every-step async saves vs none", flush=True)
             small = args.quick or args.hidden_size < 512  # a small bench model: the small loop model too

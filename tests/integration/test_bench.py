@@ -81,6 +81,16 @@ def _check(r: dict[str, Any], repeats: int, layout: dict[str, int], hf: bool = T
     # tensors every TP rank reads are why the ranks' sum may exceed the checkpoint)
     load_bytes = r["s3_load_bytes"]
     assert all(0 < b <= load_bytes["checkpoint"] for b in load_bytes["fetched_per_rank"]), load_bytes
+    # a base from the store: the first run on a host fetches it whole into the cache, later runs read the cache,
+    # --no-base-cache fetches by ranges (nothing beyond its bytes)
+    base = r["base_from_store"]
+    for key in ("local", "store_first_run", "store_cached", "store_ranged"):
+        _stat_ok(base[key], repeats)
+    assert [base[k]["cache_hit"] for k in ("local", "store_first_run", "store_cached", "store_ranged")] == [
+        None, False, True, None], base
+    assert base["local"]["bytes_fetched"] is None and not base["store_cached"]["bytes_fetched"], base
+    assert 0.9 * base["bytes"] < base["store_first_run"]["bytes_fetched"] <= base["bytes"], base
+    assert 0 < base["store_ranged"]["bytes_fetched"] <= base["bytes"], base
     # sizes: the adapter without its optimizer < adapter + Adam state < the whole model
     full, trainable, model_only = (rows[f"ours_{k}"]["bytes"] for k in ("full", "trainable", "model_only"))
     assert model_only < trainable < full

@@ -182,10 +182,12 @@ def test_a_base_is_kept_in_the_host_cache_and_read_from_it_next_time(s3: S3Serve
 
     first = _checkpointer(1)[0].load_pretrained(url)
     assert first.cache_hit is False and reads["downloaded"] and str(first.path).startswith("s3://")
+    assert first.bytes_fetched == sum(rec["size"] for rec in first.manifest.files.values())  # the whole base
     reads["downloaded"].clear()
     target, fresh = _checkpointer(2)
     second = target.load_pretrained(url)
     assert second.cache_hit is True and reads["downloaded"] == [] and not reads["loads"]  # nothing from the store
+    assert second.bytes_fetched == 0
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
         assert torch.equal(a, b)
     (entry,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]

@@ -75,7 +75,8 @@ class LoadResult:
     report: KeyReport = field(default_factory=KeyReport)
     rng_restored: bool = False
     bytes_fetched: int | None = None
-    """Bytes this rank fetched from an object store for the load (its ranged reads; ``None``: read from a
-    directory, or from a copy of the checkpoint)."""
+    """Bytes this rank fetched from an object store for the load: its ranged reads, or for a base through the
+    host's cache the copy it fetched (the whole base on the rank that fetched it, 0 on the host's other ranks and
+    on a cache hit); ``None``: read from a directory, or from a fresh verified copy."""
     cache_hit: bool | None = None
     """For a base loaded through the host's base cache: whether it was there already (``None``: no cache used)."""

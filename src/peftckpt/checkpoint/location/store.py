@@ -348,8 +348,10 @@ class StorePrefix(Location):
             comm.agree(error)
             bad = sorted({p for ps in comm.gather(problems) for p in ps})
             hit = comm.gather(hit)[downloader]
+            copied = None if not cache else 0 if hit or comm.rank != downloader else \
+                sum(int(rec["size"]) for rec in manifest.files.values())  # what a fill fetched, on the rank it ran
             files = StoreFiles(local, self.store, rel, listed[0]) if in_place else \
-                CheckpointFiles(local, url, hashed=not hit, cached=local if cache else None)
+                CheckpointFiles(local, url, hashed=not hit, cached=local if cache else None, fetched=copied)
             try:
                 raised = damaged(url, bad)  # type: ignore[arg-type]
                 if raised is not None:

@@ -27,7 +27,8 @@ class CheckpointFiles:
     verified_while_read = False
     """Its data files are verified only as they are read (the reads never see a whole local file)."""
 
-    def __init__(self, root: Path, url: str | None = None, hashed: bool = False, cached: Path | None = None) -> None:
+    def __init__(self, root: Path, url: str | None = None, hashed: bool = False, cached: Path | None = None,
+                 fetched: int | None = None) -> None:
         self.root = root
         self.url = url
         """The name messages give the checkpoint when ``root`` is not it (a store's URL); ``None``: ``root`` is."""
@@ -35,6 +36,7 @@ class CheckpointFiles:
         """Every file was already hashed against the manifest (a verified copy): a load does not hash them again."""
         self.cached = cached
         """The host's cached copy of the checkpoint that ``root`` is (a base fetched from a store), if it is one."""
+        self._fetched = fetched
 
     @property
     def listed(self) -> Mapping[str, int] | None:
@@ -61,8 +63,10 @@ class CheckpointFiles:
 
     @property
     def bytes_fetched(self) -> int | None:
-        """Bytes fetched from elsewhere by the reads so far (``None``: read from :attr:`root`)."""
-        return None
+        """Bytes this rank fetched from elsewhere for the load: by its reads so far, or for the host's cached copy
+        ``root`` is (the whole copy on the rank that fetched it, 0 on the others and on a cache hit); ``None``: a
+        directory, or a fresh verified copy."""
+        return self._fetched
 
     def close(self) -> None:
         """Release what the reads held (nothing, for a directory)."""
