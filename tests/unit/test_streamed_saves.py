@@ -17,8 +17,7 @@ from torch import nn
 from peftckpt import CheckpointError
 from peftckpt.checkpoint.api import Checkpointer
 from peftckpt.checkpoint.faults import FAULT_ENV
-from peftckpt.checkpoint.location import protocol
-from peftckpt.checkpoint.location import store as store_module
+from peftckpt.checkpoint.location import protocol, store_writes
 from peftckpt.checkpoint.location.locate import locate
 from peftckpt.checkpoint.location.store import cache_root
 from peftckpt.checkpoint.storage import object_writes
@@ -148,7 +147,7 @@ def test_uploads_a_killed_save_left_unfinished_are_aborted_once_per_run(
         listings.append(rel)
         return real(self, rel)
     monkeypatch.setattr(ObjectStore, "unfinished_uploads", counted)
-    monkeypatch.setattr(store_module, "_SWEPT", set())  # a new process
+    monkeypatch.setattr(store_writes, "_SWEPT", set())  # a new process
     protocol.claim(locate(url, "save"), "iter_0000005")  # a save of this process, in progress there
     try:
         ckpt, _ = _large_checkpointer(0)

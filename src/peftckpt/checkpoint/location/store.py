@@ -19,7 +19,7 @@ Why a crash never loses the last good checkpoint here (the rules are :mod:`~.pro
 The ranks stream their data files straight into their objects as they write them (multipart, a few parts in
 flight, :mod:`~peftckpt.checkpoint.storage.object_writes`: no local copy, a bounded amount of memory); an object
 appears only once complete, and a save killed mid-object leaves an unfinished upload no reader sees, which the next
-run's first save aborts. What a format does not stream (DCP's small ``.metadata``, the legacy format's files) is
+run's first save aborts (:mod:`~.store_writes`). What a format does not stream (DCP's small ``.metadata``, the legacy format's files) is
 written into a node-local *spool* (``<cache>/spool/<scheme>/<bucket>/<prefix>/``) and uploaded from there. A load (:meth:`StorePrefix.fetched`) has one rank per host fetch the checkpoint's small files into
 ``<cache>/fetch/<token>/`` (deleted when the load ends), every object hashed as it arrives and checked against the
 manifest and rank 0's listing; the data objects of a ``torch_dist`` checkpoint are read where they lie, by ranges
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import os
 import secrets
 import shutil
@@ -48,7 +47,6 @@ from ..storage.formats import storage_format
 from ..storage.manifest import Manifest
 from ..storage.object_ranges import ObjectSource
 from ..storage.object_store import ObjectStore, store_error
-from ..storage.object_writes import ObjectWriter
 from . import protocol
 from .base import CommittedCopy, Held, Location, SaveTarget
 from .base_cache import BaseCache
@@ -57,6 +55,7 @@ from .names import MANIFEST_FILENAME, STAGING_PREFIX, iteration_dirname
 from .store_fetch import fetch_files, list_checked, listed_problems, read_remote_manifest
 from .store_lease import acquire_remote_lock, check_lease
 from .store_reads import StoreFiles, shared_pool
+from .store_writes import abort_unfinished, object_streams
 
 if TYPE_CHECKING:
     from ..collectives import Collectives
@@ -65,10 +64,6 @@ __all__ = ["CACHE_ENV", "cache_root", "StorePrefix", "renamed_error", "clean_unc
 
 CACHE_ENV = "PEFTCKPT_CACHE_DIR"
 """Node-local directory for the spool of saves to, and the copies of loads from, an object store."""
-
-
-_SWEPT: set[str] = set()
-"""The store locations whose unfinished uploads this process aborted (:meth:`StorePrefix.abort_unfinished`)."""
 
 
 def cache_root() -> Path:
@@ -199,35 +194,11 @@ class StorePrefix(Location):
         return SaveTarget(iteration, name, local)
 
     def stream_to(self, target: SaveTarget, rank: int) -> StreamTo:
-        """Each data file straight into its object under ``target`` as it is written
-        (:class:`~peftckpt.checkpoint.storage.object_writes.ObjectWriter`: parts uploaded while the next fill, a
-        few held); the ``upload`` fault point fires once the rank's first object is complete."""
-        first = [True]
-
-        def on_done() -> None:
-            if first:
-                first.clear()
-                fault_point("upload", rank, target.iteration)
-
-        def open_object(path: Path) -> io.RawIOBase:
-            rel = f"{target.name}/{path.relative_to(target.local).as_posix()}"
-            return ObjectWriter(self.store, rel, on_done=on_done, on_abandoned=lambda: _SWEPT.discard(self.text))
-        return open_object
+        return object_streams(self.store, target, rank)
 
     def abort_unfinished(self, keep: set[str]) -> int:
-        """Abort the multipart uploads below the location outside ``keep`` -- what saves killed mid-write left,
-        invisible but stored (and billed) until aborted. Once per location and process (a new run sweeps what the
-        killed one left; within a run a failed write aborts its own upload, and only where that failed too is the
-        next save's clean asked to sweep again): one listing request, not one per save."""
-        if self.text in _SWEPT:
-            return 0
         with self._failing("", "the location's unfinished uploads"):
-            stale = [(rel, upload) for rel, upload in self.store.unfinished_uploads()
-                     if rel.split("/", 1)[0] not in keep]
-            for rel, upload in stale:
-                self.store.abort_upload(rel, upload)
-        _SWEPT.add(self.text)
-        return len(stale)
+            return abort_unfinished(self.store, keep)
 
     def upload(self, target: SaveTarget, files: list[Path], rank: int, keep: bool = False) -> None:
         """Upload this rank's ``files`` from the spool to ``target``, then delete them locally (unless ``keep``:
