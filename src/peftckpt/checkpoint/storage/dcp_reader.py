@@ -44,11 +44,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import xxhash
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.futures import Future
 
 from .byte_sources import ByteSource, FileSource
@@ -63,7 +65,7 @@ from .framing import (
 )
 from .safe_pickle import SafeFileSystemReader, _SafeBytesPlanner
 
-__all__ = ["RangedFileSystemReader", "has_block_index"]
+__all__ = ["RangedFileSystemReader", "has_block_index", "load_state_dict"]
 
 _READ_THREADS = 4
 _BOUNCE_BYTES = 32 << 20
@@ -378,3 +380,13 @@ class RangedFileSystemReader(SafeFileSystemReader):
             positions = [0, *positions, len(entry.digests) - 1]
         self._check(path, repr(item.storage_index.fqn), entry, positions,
                     _digests([s for s in segments if len(s)], [s for s in sizes]))
+
+
+def load_state_dict(state_dict: dict[str, Any], reader: RangedFileSystemReader, planner: LoadPlanner,
+                    group: dist.ProcessGroup | None) -> None:
+    """``dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)`` for a flat state dict
+    of entries (no ``Stateful`` values): DCP's own load protocol and collective error handling, minus the
+    ``Stateful`` check ``dcp.load`` makes of every key (a runtime protocol check, ~60 us a key: 40 ms of a 700-key
+    load) and its copy of the dict. Objects read replace their values in ``state_dict``, as with ``dcp.load``."""
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    _load_state_dict(state_dict, storage_reader=reader, process_group=group, no_dist=no_dist, planner=planner)

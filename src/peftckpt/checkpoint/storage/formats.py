@@ -21,7 +21,6 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -40,7 +39,7 @@ from ..options import SaveOptions
 from ..snapshot import host_copy
 from .byte_sources import ByteSource
 from .checksums import ChecksummingFileSystem, StreamTo
-from .dcp_reader import RangedFileSystemReader
+from .dcp_reader import RangedFileSystemReader, load_state_dict
 from .dcp_writer import FramedFileSystemWriter, save_state_dict
 from .key_listing import KeyListing, list_dcp_keys, list_legacy_keys
 from .legacy import LegacyRankFile, rank_file, save_rank_file
@@ -296,7 +295,7 @@ class TorchDistFormat:
 
 
 class _DcpCheckpoint:
-    """A DCP checkpoint opened for a (resharding) load: its metadata's keys, read with ``dcp.load`` through the
+    """A DCP checkpoint opened for a (resharding) load: its metadata's keys, read with DCP's load protocol through the
     ranged reader (each rank reads the bytes of its pieces, verified by block where the files are indexed)."""
 
     per_rank = False
@@ -311,7 +310,7 @@ class _DcpCheckpoint:
 
     def read(self, request: dict[str, Any], on_piece: Callable[[str, tuple[int, ...], torch.Tensor], None] | None = None
              ) -> list[str]:
-        dcp.load(request, storage_reader=self._reader, process_group=self._group, planner=EntryLoadPlanner(on_piece))
+        load_state_dict(request, self._reader, EntryLoadPlanner(on_piece), self._group)
         return self._reader.problems
 
 
