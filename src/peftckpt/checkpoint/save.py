@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..sharding.entries import GlobalTensor
+from .background import one_core
 from .checks.integrity import plan_problems
 from .collectives import Collectives
 from .commit import PendingCommit, commit_checkpoint, hand_over_files
@@ -193,7 +194,8 @@ class Saves:
                 taken.set()  # (a failure before the copy must not hold the fence)
 
         if self.worker is None:  # one thread for every deferred save (starting one per save blocked ~1 ms)
-            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
+            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save",
+                                             initializer=one_core)  # (its torch work on one core: background.py)
         commit.written.future = self.worker.submit(save)
         self.pending = self.last = commit
         return commit.location.ref(iteration_dirname(commit.iteration))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from ..background import one_core
 from ..checks.integrity import (
     DCP_METADATA_FILENAME,
     dcp_problems,
@@ -246,7 +247,7 @@ class TorchDistFormat:
                     job.after_write()  # the hand-over (a store uploads), then the commit
             return result
 
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save")
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-async-save", initializer=one_core)
         c.future = executor.submit(write)
         executor.shutdown(wait=False)  # its one thread ends with the save
         return c
