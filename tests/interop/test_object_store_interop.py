@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peftckpt.interop.hf_dir import hf_file
 from tests.integration.cli import peftckpt, read_dcp_tensors
 from tests.s3_server import S3Server, s3_server
 
@@ -65,29 +66,40 @@ def test_hf_and_peft_round_trips_through_s3(s3: S3Server, hf_dir: Path, data: Pa
 
 def test_tp2_lora_from_an_hf_directory_on_the_store_is_the_local_run(s3: S3Server, hf_dir: Path, data: Path,
                                                                       tmp_path: Path) -> None:
-    """``--pretrained-checkpoint s3://.../hf``: config, index and safetensors headers by ranged reads, each TP rank
-    reading the rows of its shards; the run's adapters, Adam moments and base fingerprint are those of the same run
-    from the local directory, bit for bit."""
+    """``--pretrained-checkpoint s3://.../hf``: the first run on a host fetches the directory's JSON and safetensors
+    files whole into the host's base cache (each checked against the listing's size and MD5 ETag), the next reads
+    the cached copy; with ``--no-base-cache`` config, index and safetensors headers come by ranged reads, each TP
+    rank reading the rows of its shards. Every run's adapters, Adam moments and base fingerprint are those of the
+    same run from the local directory, bit for bit."""
     s3.fs().put(str(hf_dir), "peftckpt-test/interop/hf", recursive=True)
     assert sorted(s3.keys("interop/hf")) == sorted(p.name for p in hf_dir.iterdir())
+    url = s3.url("interop/hf")
     said = {}
-    for name, where in (("local", str(hf_dir)), ("store", s3.url("interop/hf"))):
-        run = peftckpt(["train", "--pretrained-checkpoint", where, "--data-path", str(data), "--seq-length", "16",
+    runs = {"local": [str(hf_dir)], "filled": [url], "cached": [url], "ranged": [url, "--no-base-cache"]}
+    for name, where in runs.items():
+        run = peftckpt(["train", "--pretrained-checkpoint", *where, "--data-path", str(data), "--seq-length", "16",
                         "--tensor-model-parallel-size", "2", "--lora-rank", "4", "--micro-batch-size", "2",
                         "--global-batch-size", "4", "--train-iters", "2", "--lr", "5e-3", "--save",
                         str(tmp_path / name), "--save-trainable-params-only", "--log-interval", "100",
                         "--device", "cpu"], nproc=2, extra_env=s3.env)
         said[name] = run.stdout
     assert f"loaded base weights from {hf_dir} (HF safetensors)" in said["local"], said["local"]
-    fetched = re.search(rf"loaded base weights from {re.escape(s3.url('interop/hf'))} \(HF safetensors; rank 0 "
-                        r"fetched ([\d,]+) bytes by ranged reads\)", said["store"])
-    assert fetched is not None, said["store"]
+    assert f"loaded base weights from {url} (HF safetensors; fetched whole into the host's base cache)" in said["filled"]
+    assert f"loaded base weights from {url} (HF safetensors; read from the host's base cache)" in said["cached"]
+    fetched = re.search(rf"loaded base weights from {re.escape(url)} \(HF safetensors; rank 0 "
+                        r"fetched ([\d,]+) bytes by ranged reads\)", said["ranged"])
+    assert fetched is not None, said["ranged"]
     stored = sum(p.stat().st_size for p in hf_dir.glob("*.safetensors"))
     assert int(fetched.group(1).replace(",", "")) < 0.75 * stored  # the rows of its shards, not the files
-    local, store = (read_dcp_tensors(tmp_path / name / "iter_0000002") for name in ("local", "store"))
-    assert local.keys() == store.keys() and any(k.startswith("optimizer.") for k in local)
-    for k in local:
-        assert torch.equal(local[k], store[k]), k
+    (entry,) = [p for p in (Path(s3.env["PEFTCKPT_CACHE_DIR"]) / "bases").iterdir() if (p / "config.json").exists()]
+    assert sorted(p.name for p in entry.iterdir()) == sorted(p.name for p in hf_dir.iterdir() if hf_file(p.name))
+    local = read_dcp_tensors(tmp_path / "local" / "iter_0000002")
+    assert any(k.startswith("optimizer.") for k in local)
+    for name in ("filled", "cached", "ranged"):
+        store = read_dcp_tensors(tmp_path / name / "iter_0000002")
+        assert local.keys() == store.keys()
+        for k in local:
+            assert torch.equal(local[k], store[k]), (name, k)
     fingerprints = {json.loads((tmp_path / name / "iter_0000002" / "metadata.json").read_text())["base_fingerprint"]
-                    for name in ("local", "store")}
+                    for name in runs}
     assert len(fingerprints) == 1

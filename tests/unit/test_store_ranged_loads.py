@@ -4,6 +4,7 @@ Against a real S3-compatible server (moto's, on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -204,3 +205,40 @@ def test_a_base_is_kept_in_the_host_cache_and_read_from_it_next_time(s3: S3Serve
 
     ranged = _checkpointer(5)[0].load_pretrained(url, LoadOptions(base_cache=False))
     assert ranged.cache_hit is None and ranged.bytes_fetched and reads["loads"]
+
+
+def test_a_foreign_directory_is_copied_into_the_host_cache_once_per_version(s3: S3Server) -> None:
+    """A directory peftckpt did not write (an HF model directory) on the store: its wanted top-level files are
+    copied into the host's base cache on the first read and read from there after; re-uploading a file makes a
+    new entry (the key holds the ETags); an object changed between the listing and the copy is named, and nothing
+    is kept."""
+    from peftckpt.checkpoint.collectives import Collectives
+    from peftckpt.checkpoint.location.locate import locate
+    from peftckpt.checkpoint.location.store_foreign import _fetch
+
+    store = ObjectStore(s3.url("foreign/hf"))
+    store.write_bytes("config.json", b'{"a": 1}')
+    store.write_bytes("model.safetensors", b"w" * 1000)
+    store.write_bytes("README.md", b"not wanted")
+    location = locate(store.url, "base")
+    wanted = lambda name: name.endswith((".json", ".safetensors"))  # noqa: E731
+    seen = []
+    for _ in range(2):
+        with location.foreign_files(Collectives(), wanted) as (held, hit):
+            seen.append((held.describe(), hit, sorted(p.name for p in Path(held.describe()).iterdir())))
+    assert seen[0][1:] == (False, ["config.json", "model.safetensors"]) and seen[1][1] is True
+    assert seen[0][0] == seen[1][0]
+    store.write_bytes("model.safetensors", b"v" * 1000)  # re-uploaded: a new entry, never the stale copy
+    with location.foreign_files(Collectives(), wanted) as (held, hit):
+        assert hit is False and held.describe() != seen[0][0]
+        assert (Path(held.describe()) / "model.safetensors").read_bytes() == b"v" * 1000
+    with location.foreign_files(Collectives(), wanted, cache=False) as (held, hit):
+        assert held is location and hit is None  # read where it lies
+    listed = store.list_tagged()
+    store.write_bytes("model.safetensors", b"u" * 1000)  # rewritten after the listing, same size
+    store.write_bytes("config.json", b'{"a": 12}')  # and one of another size
+    into = Path(s3.env["PEFTCKPT_CACHE_DIR"]) / "stale-listing"
+    problems = _fetch(store, {n: listed[n] for n in ("config.json", "model.safetensors")}, into)
+    assert problems == [f"{store.url}/config.json: is larger than the 8 bytes recorded",
+                        f"{store.url}/model.safetensors: its MD5 {hashlib.md5(b'u' * 1000).hexdigest()} "
+                        f"differs from its ETag {listed['model.safetensors'][1]}"], problems

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.location.base import Location
 from ..checkpoint.location.locate import locate
 from ..checkpoint.location.names import MANIFEST_FILENAME
 from ..checkpoint.state.fingerprint import FINGERPRINT_VERSION
@@ -38,7 +39,7 @@ from .hf_llama import (
 )
 from .safetensors_io import SafetensorsFile
 
-__all__ = ["HFModelDir", "is_hf_dir"]
+__all__ = ["HFModelDir", "is_hf_dir", "hf_file"]
 
 # (HF tensor, first HF row, number of rows) pieces that make up a run of our rows, in order.
 Segments = list[tuple[str, int, int]]
@@ -56,15 +57,23 @@ def is_hf_dir(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-class HFModelDir:
-    """A validated HF Llama directory; :meth:`read` returns regions of our (fused, global) tensors."""
+def hf_file(name: str) -> bool:
+    """Whether a top-level file of an HF model directory is one it is read from (the JSON and safetensors files:
+    what a copy of the directory needs)."""
+    return name.endswith((".json", ".safetensors"))
 
-    def __init__(self, path: str | os.PathLike[str]):
+
+class HFModelDir:
+    """A validated HF Llama directory; :meth:`read` returns regions of our (fused, global) tensors. ``shown_as``:
+    where messages say it is, when ``path`` is a copy of it (the host's cached copy of a directory on a store)."""
+
+    def __init__(self, path: str | os.PathLike[str] | Location, shown_as: Location | None = None):
         try:
             self.location = locate(path, "HF model directory")
         except CheckpointError as e:
             raise InteropError(str(e)) from None
-        self.path: Path | str = self.location.ref()
+        self._shown_as = shown_as or self.location
+        self.path: Path | str = self._shown_as.ref()
         """The directory, or its URL on a store."""
         if not self._has(CONFIG_FILE):
             raise InteropError(f"{self.path} is not an HF model directory: {CONFIG_FILE} is missing")
@@ -101,11 +110,11 @@ class HFModelDir:
     @property
     def shown(self) -> str:
         """The directory as the user named it, made absolute (or its URL)."""
-        return self.location.absolute().describe()
+        return self._shown_as.absolute().describe()
 
     # ------------------------------------------------------------------------------------- files
     def _named(self, rel: str) -> str:
-        return self.location.describe(rel)
+        return self._shown_as.describe(rel)
 
     def _has(self, rel: str) -> bool:
         try:

@@ -74,21 +74,26 @@ def load_base(ckpt: Checkpointer, path: str, options: LoadOptions, then: Callabl
     directory read per rank (each rank reads only the bytes of its own pieces); ``then(key)`` after each tensor,
     see :meth:`Checkpointer.load_base_tensors`. Returns what was loaded."""
     from ..interop import HFModelDir, InteropError, is_hf_dir
+    from ..interop.hf_dir import hf_file
 
     if not is_hf_dir(path):
         return described(ckpt.load_pretrained(path, options, then))
-    try:
-        hf = HFModelDir(path)
-    except InteropError as e:
-        raise CheckpointFormatError(f"--pretrained-checkpoint: {e}") from None
-    shapes = {f"{MODEL}.{name}": shape for name, (shape, _) in hf.ours.items()}
-    ckpt.load_base_tensors(f"--pretrained-checkpoint {path}", shapes,
-                           lambda key, offsets, sizes: hf.read(key.removeprefix(f"{MODEL}."), offsets, sizes),
-                           lambda key, offsets, out: hf.read_into(key.removeprefix(f"{MODEL}."), offsets, out),
-                           then)
+    location = locate(path, "--pretrained-checkpoint")
+    with location.foreign_files(ckpt.comm, hf_file, options.base_cache) as (held, cached):  # (a store: the copy)
+        try:
+            hf = HFModelDir(held, shown_as=location)
+        except InteropError as e:
+            raise CheckpointFormatError(f"--pretrained-checkpoint: {e}") from None
+        shapes = {f"{MODEL}.{name}": shape for name, (shape, _) in hf.ours.items()}
+        ckpt.load_base_tensors(f"--pretrained-checkpoint {path}", shapes,
+                               lambda key, offsets, sizes: hf.read(key.removeprefix(f"{MODEL}."), offsets, sizes),
+                               lambda key, offsets, out: hf.read_into(key.removeprefix(f"{MODEL}."), offsets, out),
+                               then)
     fetched = hf.bytes_fetched
-    return f"{path} (HF safetensors" + ("" if fetched is None else
-                                        f"; rank 0 fetched {fetched:,} bytes by ranged reads") + ")"
+    how = "" if cached is None and fetched is None else \
+        f"; {'read from' if cached else 'fetched whole into'} the host's base cache" if cached is not None else \
+        f"; rank 0 fetched {fetched:,} bytes by ranged reads"
+    return f"{path} (HF safetensors{how})"
 
 
 def described(result: LoadResult) -> str:

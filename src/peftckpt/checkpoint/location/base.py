@@ -284,6 +284,15 @@ class Location(ABC):
         raise NotImplementedError(f"{type(self).__name__} is read in place")
         yield  # pragma: no cover - a generator, for the context manager
 
+    @contextlib.contextmanager
+    def foreign_files(self, comm: Collectives, wanted: Callable[[str], bool], cache: bool = True
+                      ) -> Iterator[tuple[Location, bool | None]]:
+        """Collective: where to read a directory of files peftckpt did not write (an HF model directory, read by
+        ranges) from, and whether it was in the host's base cache (``None``: not cached). A directory is read where
+        it is; a store, with ``cache``, from the host's cached copy of its top-level files that ``wanted``
+        accepts."""
+        yield self, None
+
     @abstractmethod
     def copy_committed(self, rel: str, iteration: int) -> CommittedCopy:
         """For the one-process tools: the committed checkpoint ``rel`` (resolved by

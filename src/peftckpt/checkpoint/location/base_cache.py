@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..errors import CheckpointIntegrityError
+
 __all__ = ["BaseCache", "CAP_ENV", "DEFAULT_CAP_GB"]
 
 CAP_ENV = "PEFTCKPT_BASE_CACHE_GB"
@@ -87,6 +89,19 @@ class BaseCache:
                 yield final, False, []
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
+
+    def damaged_copy_error(self, e: BaseException, local: Path, discard: bool) -> BaseException:
+        """``e``, raised by a load of the entry ``local``: damage is the cached copy's (not the store's), said so,
+        and the entry is deleted (``discard``: by the rank that fetched it), so that the next run fetches the base
+        again."""
+        if not isinstance(e, CheckpointIntegrityError):
+            return e
+        if discard:
+            self.discard(local.name)
+        if e.args and isinstance(e.args[0], str):
+            e.args = (f"{e.args[0]}\n(this is the copy of the base in the host's base cache, {local}: it was deleted, "
+                      "the next run fetches the base from the store again)", *e.args[1:])
+        return e
 
     def discard(self, key: str) -> None:
         """Delete the entry ``key`` (found damaged): out of sight at once, its files deleted after."""

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from ..checks.load_checks import damaged
-from ..errors import CheckpointError, CheckpointIntegrityError
+from ..errors import CheckpointError
 from ..faults import fault_point
 from ..storage.checkpoint_files import CheckpointFiles
 from ..storage.checksums import StreamTo, is_data_file
@@ -51,8 +51,10 @@ from . import protocol
 from .base import CommittedCopy, Held, Location, SaveTarget
 from .base_cache import BaseCache
 from .dir_lock import acquire_save_lock
+from .directory import Directory
 from .names import MANIFEST_FILENAME, STAGING_PREFIX, iteration_dirname
 from .store_fetch import fetch_files, list_checked, listed_problems, read_remote_manifest
+from .store_foreign import cached_foreign
 from .store_lease import acquire_remote_lock, check_lease
 from .store_reads import StoreFiles, shared_pool
 from .store_writes import abort_unfinished, object_streams
@@ -332,7 +334,7 @@ class StorePrefix(Location):
                     yield files  # 3.
                 except BaseException as e:
                     if hit:
-                        raise _cached_copy_error(e, bases, local, comm.rank == downloader) from None
+                        raise bases.damaged_copy_error(e, local, comm.rank == downloader) from None
                     raise renamed_error(e, local, url) from None
             finally:
                 files.close()
@@ -349,6 +351,15 @@ class StorePrefix(Location):
         (into / MANIFEST_FILENAME).write_bytes(data)
         return problems
 
+    @contextlib.contextmanager
+    def foreign_files(self, comm: Collectives, wanted: Callable[[str], bool], cache: bool = True
+                      ) -> Iterator[tuple[Location, bool | None]]:
+        if not cache:
+            yield self, None
+            return
+        with cached_foreign(self.store, comm, wanted, BaseCache(cache_root() / "bases")) as (local, hit):
+            yield Directory(local), hit
+
     def copy_committed(self, rel: str, iteration: int) -> CommittedCopy:
         """Download the committed checkpoint ``rel`` into a fresh local copy, every object verified as it streams;
         the copy is deleted by :meth:`CommittedCopy.release`, or when the process exits."""
@@ -364,19 +375,6 @@ class StorePrefix(Location):
         problems = fetch_files(self.store, rel, manifest, local)
         (local / MANIFEST_FILENAME).write_bytes(data)
         return manifest, problems
-
-
-def _cached_copy_error(e: BaseException, bases: BaseCache, local: Path, discard: bool) -> BaseException:
-    """A load of a base from the host's cache failed: damage is the cached copy's (not the store's), said so, and
-    the copy is deleted (by the rank that fetched it) so that the next run fetches the base again."""
-    if not isinstance(e, CheckpointIntegrityError):
-        return e
-    if discard:
-        bases.discard(local.name)
-    if e.args and isinstance(e.args[0], str):
-        e.args = (f"{e.args[0]}\n(this is the copy of the base in the host's base cache, {local}: it was deleted, "
-                  "the next run fetches the base from the store again)", *e.args[1:])
-    return e
 
 
 def _reads_by_range(manifest: Manifest) -> bool:

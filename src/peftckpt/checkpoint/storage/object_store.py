@@ -199,6 +199,18 @@ class ObjectStore:
                 out[name] = int(info.get("size") or 0)
         return out
 
+    def list_tagged(self, rel: str = "") -> dict[str, tuple[int, str]]:
+        """The objects directly below ``rel``: ``{name: (size, ETag)}`` (one listing; the ETag changes whenever the
+        object is rewritten)."""
+        base = self.key(rel).rstrip("/")
+        self.fs.invalidate_cache(base)
+        try:
+            found = self.fs.ls(base, detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        return {str(info["name"]).rsplit("/", 1)[-1]: (int(info.get("size") or 0), str(info.get("ETag", "")))
+                for info in found if info.get("type", "file") == "file"}
+
     def children(self) -> list[str]:
         """The first-level names below the location (objects and common prefixes)."""
         self.fs.invalidate_cache(self.root)
