@@ -14,6 +14,8 @@ the URL (:func:`store_error`).
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,12 +35,10 @@ class ObjectStore:
     """
 
     def __init__(self, url: str):
-        import fsspec
-
         self.url = url.rstrip("/")
         scheme = self.url.split("://", 1)[0].lower()
         self.scheme = scheme
-        self.fs: Any = fsspec.filesystem(scheme, skip_instance_cache=True)
+        self.fs: Any = _file_system(scheme)
         self.root = self.url[len(scheme) + 3:]
         self.bucket = self.root.split("/", 1)[0]
 
@@ -227,6 +227,28 @@ class ObjectStore:
         if keys:
             self.fs.rm(keys)
         self.fs.invalidate_cache(self.root)
+
+
+_CLIENT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+               "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_SHARED_CREDENTIALS_FILE",
+               "AWS_CONFIG_FILE")
+"""The environment a store's client is configured from: a client is reused only while these are unchanged."""
+_FILE_SYSTEMS: dict[tuple[Any, ...], Any] = {}
+_FILE_SYSTEMS_GUARD = threading.Lock()
+
+
+def _file_system(scheme: str) -> Any:
+    """The process's fsspec file system for ``scheme``, made once per configuration (making one -- a session, a
+    client, its connections -- cost ~60 ms a save or load against a local server), without a listings cache
+    (every listing is asked afresh: the commit protocol relies on what the store says now)."""
+    import fsspec
+
+    key = (scheme, os.getpid(), tuple(os.environ.get(k) for k in _CLIENT_ENV))
+    with _FILE_SYSTEMS_GUARD:
+        fs = _FILE_SYSTEMS.get(key)
+        if fs is None:
+            fs = _FILE_SYSTEMS[key] = fsspec.filesystem(scheme, skip_instance_cache=True, use_listings_cache=False)
+        return fs
 
 
 def store_error(exc: BaseException, url: str, what: str) -> CheckpointError:
