@@ -187,3 +187,17 @@ def test_one_run_per_location_across_processes(s3: S3Server, monkeypatch: pytest
         ckpt.save(url, 1)
     ckpt.close()
     assert list_committed(StorePrefix(store)) == []
+
+
+def test_stores_share_one_client_per_configuration_and_list_afresh(s3: S3Server,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ObjectStore of a process and configuration shares one client (making one per save or load cost tens of
+    milliseconds); another endpoint or credentials get their own; no listing is served from a cache."""
+    a, b = ObjectStore(s3.url("shared/a")), ObjectStore(s3.url("shared/b"))
+    assert a.fs is b.fs
+    assert a.list_files() == {}
+    s3.fs().pipe(f"{BUCKET}/shared/a/x", b"written by another client")
+    assert a.list_files() == {"x": 25}  # listed afresh, though listed empty a moment ago
+    assert ObjectStore(s3.url("shared/a")).list_files() == {"x": 25}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # another server: another client
+    assert ObjectStore(s3.url("shared/a")).fs is not a.fs
