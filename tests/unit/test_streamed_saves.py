@@ -77,6 +77,18 @@ def test_an_object_is_written_in_parts_with_a_bounded_number_held(s3: S3Server) 
     assert store.read_bytes("small") == b"hello" and small.requests == 1
 
 
+def test_parts_grow_so_that_a_large_file_fits_the_stores_part_limit(s3: S3Server,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(object_writes, "PARTS_BEFORE_GROWING", 2)  # (2,000 in earnest)
+    store = _SlowStore(s3.url("growing"))
+    data = torch.randint(0, 256, (43 * MIB,), dtype=torch.uint8).numpy().tobytes()
+    writer = ObjectWriter(store, "obj", part_bytes=5 * MIB)
+    writer.write(data)
+    writer.close()
+    assert store.read_bytes("obj") == data
+    assert writer.requests == 1 + 5 + 1  # parts of 5, 5, 10, 10 and the last 13 of 20 MiB
+
+
 def test_a_failed_part_leaves_nothing_and_names_the_object(s3: S3Server) -> None:
     store = _SlowStore(s3.url("failing"), fail_part=2)
     writer = ObjectWriter(store, "obj", part_bytes=5 * MIB)

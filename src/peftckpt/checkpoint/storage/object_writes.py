@@ -10,14 +10,14 @@ one object:
    -- with at most :data:`PARTS_IN_FLIGHT` parts held: a writer that outruns the store waits for a part's slot,
    so a rank holds at most ``(PARTS_IN_FLIGHT + 1) * PART_BYTES`` whatever it writes. Part buffers are reused.
 3. :meth:`ObjectWriter.close` uploads the last part and completes the upload: the object appears whole, at once.
-   An object smaller than one part is one PUT. Past :data:`PARTS_BEFORE_GROWING` parts the part size doubles,
-   every so many parts, so that no object runs past the store's 10,000 parts (16 MiB parts reach 156 GiB
-   before the first doubling).
+   An object smaller than one part is one PUT. Every :data:`PARTS_BEFORE_GROWING` parts the part size doubles,
+   so that S3's 10,000 parts hold any rank's file (2,000 parts each of 16, 32, 64, 128 and 256 MiB: 968 GiB).
 4. :meth:`ObjectWriter.abort` (any failure of a write, of a part, of the completion) abandons the upload: its parts
-   are deleted and nothing appears. A process killed mid-upload leaves an unfinished upload that no reader ever
-   sees; the next save's clean aborts it (:meth:`~peftckpt.checkpoint.location.store.StorePrefix.abort_unfinished`).
+   are deleted and nothing appears; so is a writer dropped unclosed. A process killed mid-upload leaves an
+   unfinished upload that no reader ever sees; the next run's first save aborts it
+   (:mod:`~peftckpt.checkpoint.location.store_writes`).
 
-Failures are raised as the store's own exceptions; the location that opened the writer names the object.
+A failure of the store is raised as one :class:`~peftckpt.checkpoint.errors.CheckpointError` naming the object's URL.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ PART_BYTES = 16 << 20
 PARTS_IN_FLIGHT = 4
 """Parts uploading at once, per object being written: a rank holds at most one more part buffer than this."""
 PARTS_BEFORE_GROWING = 2000
-"""Parts of one size before the part size doubles (at most five doublings fit in S3's 10,000 parts)."""
+"""Parts of one size before the part size doubles (five sizes fill S3's 10,000 parts)."""
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_GUARD = threading.Lock()
