@@ -172,3 +172,20 @@ def test_uploads_a_killed_save_left_unfinished_are_aborted_once_per_run(
     assert len(listings) == 1  # swept by the run's first save only
     assert protocol.list_committed(locate(url, "save")) == [3, 4]
     assert not any(Path(k).parts[0] == "iter_0000002" for k in store.list_files())
+
+
+def test_a_store_that_refuses_to_list_uploads_gets_a_warning_and_the_save(
+        s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials without the permission to list multipart uploads: the sweep is skipped with one warning saying
+    what to allow; the save itself is committed."""
+    def refused(self: ObjectStore, rel: str = "") -> list[tuple[str, str]]:
+        raise PermissionError("AccessDenied: s3:ListBucketMultipartUploads")
+    monkeypatch.setattr(ObjectStore, "unfinished_uploads", refused)
+    monkeypatch.setattr(store_writes, "_SWEPT", set())
+    url = s3.url("refused")
+    ckpt, _ = _large_checkpointer(0)
+    with pytest.warns(UserWarning, match="cannot be listed or aborted .*s3:ListBucketMultipartUploads"):
+        ckpt.save(url, 1)
+    ckpt.save(url, 2)  # (warned once per run)
+    ckpt.close()
+    assert protocol.list_committed(locate(url, "save")) == [1, 2]

@@ -199,8 +199,7 @@ class StorePrefix(Location):
         return object_streams(self.store, target, rank)
 
     def abort_unfinished(self, keep: set[str]) -> int:
-        with self._failing("", "the location's unfinished uploads"):
-            return abort_unfinished(self.store, keep)
+        return abort_unfinished(self.store, keep)
 
     def upload(self, target: SaveTarget, files: list[Path], rank: int, keep: bool = False) -> None:
         """Upload this rank's ``files`` from the spool to ``target``, then delete them locally (unless ``keep``:

@@ -12,6 +12,7 @@ that abort failed too is the next save asked to sweep again) -- one listing requ
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 from ..faults import fault_point
@@ -44,11 +45,20 @@ def object_streams(store: ObjectStore, target: SaveTarget, rank: int) -> StreamT
 
 def abort_unfinished(store: ObjectStore, keep: set[str]) -> int:
     """Abort the multipart uploads below the location whose first name is not in ``keep``, unless this process
-    did already (module docstring); how many. The store's failures are the caller's to name."""
+    did already (module docstring); how many. Best effort: where the store refuses (credentials without the
+    permission to list or abort multipart uploads), one warning says so and saves go on -- what is left costs
+    storage, not correctness."""
     if store.url in _SWEPT:
         return 0
-    stale = [(rel, upload) for rel, upload in store.unfinished_uploads() if rel.split("/", 1)[0] not in keep]
-    for rel, upload in stale:
-        store.abort_upload(rel, upload)
     _SWEPT.add(store.url)
+    try:
+        stale = [(rel, upload) for rel, upload in store.unfinished_uploads() if rel.split("/", 1)[0] not in keep]
+        for rel, upload in stale:
+            store.abort_upload(rel, upload)
+    except Exception as e:  # noqa: BLE001 - reported, never fatal
+        warnings.warn(f"{store.url}: unfinished multipart uploads of interrupted saves cannot be listed or aborted "
+                      f"({type(e).__name__}: {e}); they stay stored until aborted: allow s3:ListBucketMultipartUploads "
+                      "and s3:AbortMultipartUpload, or add a lifecycle rule that aborts incomplete multipart uploads",
+                      stacklevel=2)
+        return 0
     return len(stale)
