@@ -242,3 +242,21 @@ def test_a_foreign_directory_is_copied_into_the_host_cache_once_per_version(s3: 
     assert problems == [f"{store.url}/config.json: is larger than the 8 bytes recorded",
                         f"{store.url}/model.safetensors: its MD5 {hashlib.md5(b'u' * 1000).hexdigest()} "
                         f"differs from its ETag {listed['model.safetensors'][1]}"], problems
+
+
+def test_verify_hashes_a_stores_data_objects_as_they_stream_without_copying_them(s3: S3Server,
+                                                                                 reads: dict[str, list]) -> None:
+    """``verify`` of a checkpoint on the store: the small files fetched, every data object hashed as it streams
+    and never written to local disk; damage is named by URL, as before."""
+    from peftckpt.checkpoint.tools.verify import verify_checkpoint
+
+    source, _ = _checkpointer(0)
+    url = s3.url("ranged/verify")
+    source.save(url, 1)
+    report = verify_checkpoint(url)
+    assert report.ok and report.path == f"{url}/iter_0000001", report.problems
+    assert reads["downloaded"] and not any(rel.endswith(".distcp") for rel in reads["downloaded"])
+    s3.flip_byte("ranged/verify/iter_0000001/__0_0.distcp", offset=100_000)
+    bad = verify_checkpoint(url)
+    assert [p.split(": ", 1)[0] for p in bad.problems] == [f"{url}/iter_0000001/__0_0.distcp"], bad.problems
+    assert "checksum mismatch" in bad.problems[0]

@@ -65,6 +65,9 @@ class CommittedCopy:
     while fetching (a directory: the tool verifies it)."""
     fetched_into: Path | None = None
     """The directory a fetched copy was made in, deleted by :meth:`release` (``None``: nothing to delete)."""
+    listed: dict[str, int] | None = None
+    """The sizes of the data files left where they lie (hashed as they streamed, not copied: ``data=False``), by
+    name; ``None``: every file is under :attr:`local`."""
 
     def release(self) -> None:
         """Delete a fetched copy now (one verified checkpoint after another need not pile up until exit)."""
@@ -294,9 +297,10 @@ class Location(ABC):
         yield self, None
 
     @abstractmethod
-    def copy_committed(self, rel: str, iteration: int) -> CommittedCopy:
+    def copy_committed(self, rel: str, iteration: int, data: bool = True) -> CommittedCopy:
         """For the one-process tools: the committed checkpoint ``rel`` (resolved by
-        :func:`~.protocol.committed_copy`) as a local directory."""
+        :func:`~.protocol.committed_copy`) as a local directory (``data=False``: a tool that only verifies -- a
+        store's data objects are hashed as they stream, not copied)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.text!r})"

@@ -230,10 +230,11 @@ def reading(loc: Location, comm: Collectives, cache: bool = False, verify_first:
         yield files
 
 
-def committed_copy(loc: Location) -> CommittedCopy:
+def committed_copy(loc: Location, data: bool = True) -> CommittedCopy:
     """For the one-process tools: the committed checkpoint ``loc`` designates (:func:`resolve`), as a local
-    directory (on a store: fetched, every object verified as it arrives; see :meth:`Location.copy_committed`)."""
-    return loc.copy_committed(*resolve(loc))
+    directory (on a store: fetched, every object verified as it arrives -- ``data=False``: the data objects only
+    hashed as they stream; see :meth:`Location.copy_committed`)."""
+    return loc.copy_committed(*resolve(loc), data=data)
 
 
 def claim(loc: Location, name: str) -> None:

@@ -359,21 +359,22 @@ class StorePrefix(Location):
         with cached_foreign(self.store, comm, wanted, BaseCache(cache_root() / "bases")) as (local, hit):
             yield Directory(local), hit
 
-    def copy_committed(self, rel: str, iteration: int) -> CommittedCopy:
-        """Download the committed checkpoint ``rel`` into a fresh local copy, every object verified as it streams;
-        the copy is deleted by :meth:`CommittedCopy.release`, or when the process exits."""
+    def copy_committed(self, rel: str, iteration: int, data: bool = True) -> CommittedCopy:
+        """Download the committed checkpoint ``rel`` into a fresh local copy, every object verified as it streams
+        (``data=False``: the data objects hashed as they stream, not kept); the copy is deleted by
+        :meth:`CommittedCopy.release`, or when the process exits."""
         local = cache_root() / "fetch" / secrets.token_hex(6) / iteration_dirname(iteration)
         atexit.register(shutil.rmtree, local.parent, True)
-        manifest, problems = self._download(rel, local)
-        return CommittedCopy(local, self.store.url_of(rel), iteration, manifest, problems, fetched_into=local.parent)
-
-    def _download(self, rel: str, local: Path) -> tuple[Manifest, list[str]]:
-        """The checkpoint ``rel`` into ``local``: its recorded objects, verified as they stream, then its manifest;
-        returns the manifest and the bad objects (named by URL)."""
-        manifest, data = read_remote_manifest(self.store, rel)
-        problems = fetch_files(self.store, rel, manifest, local)
-        (local / MANIFEST_FILENAME).write_bytes(data)
-        return manifest, problems
+        manifest, data_bytes = read_remote_manifest(self.store, rel)
+        listed = list_checked(self.store, rel, manifest)
+        problems = fetch_files(self.store, rel, manifest, local, listed, only=None if data else
+                               (lambda name: not is_data_file(name)))
+        if not data:  # (the listing's problems, said by both calls, once)
+            problems = sorted({*problems, *fetch_files(self.store, rel, manifest, None, listed, only=is_data_file)})
+        (local / MANIFEST_FILENAME).write_bytes(data_bytes)
+        sizes = None if data else {n: size for n, size in listed[0].items() if is_data_file(n)}
+        return CommittedCopy(local, self.store.url_of(rel), iteration, manifest, problems,
+                             fetched_into=local.parent, listed=sizes)
 
 
 def _reads_by_range(manifest: Manifest) -> bool:

@@ -75,7 +75,8 @@ def verify_checkpoint(path: str | os.PathLike[str] | Location) -> VerifyReport:
             manifest is unreadable (then nothing else can be checked). Damage to the checkpoint's other
             files is reported in :attr:`VerifyReport.problems`, not raised.
     """
-    copy = protocol.committed_copy(locate(path, "DIR"))  # 1 (on a store: fetched, every object hashed as it arrives)
+    # 1 (on a store: the small files fetched, every object hashed as it streams -- the data objects not copied)
+    copy = protocol.committed_copy(locate(path, "DIR"), data=False)
     try:
         return _verify_copy(copy)
     finally:
@@ -94,8 +95,8 @@ def _verify_copy(copy: CommittedCopy) -> VerifyReport:
     if not copy.verified:
         found.extend(verify_files(copy.local, manifest))  # 3
     try:  # 4
-        found.extend(storage_format(manifest.format, f"checkpoint {copy.url}").structure_problems(copy.local,
-                                                                                                  manifest))
+        found.extend(storage_format(manifest.format, f"checkpoint {copy.url}").structure_problems(
+            copy.local, manifest, copy.listed))
     except UnsafeCheckpointError as exc:
         found.append(str(exc))
     report.problems = list(dict.fromkeys(copy.with_local_problems(found)))  # a missing file is found by 3 and 4
