@@ -19,8 +19,9 @@ Why a crash never loses the last good checkpoint here (the rules are :mod:`~.pro
 The ranks stream their data files straight into their objects as they write them (multipart, a few parts in
 flight, :mod:`~peftckpt.checkpoint.storage.object_writes`: no local copy, a bounded amount of memory); an object
 appears only once complete, and a save killed mid-object leaves an unfinished upload no reader sees, which the next
-run's first save aborts (:mod:`~.store_writes`). What a format does not stream (DCP's small ``.metadata``, the legacy format's files) is
-written into a node-local *spool* (``<cache>/spool/<scheme>/<bucket>/<prefix>/``) and uploaded from there. A load (:meth:`StorePrefix.fetched`) has one rank per host fetch the checkpoint's small files into
+run's first save aborts (:mod:`~.store_writes`). What a format does not stream (DCP's small ``.metadata``, the
+legacy format's files) is written into a node-local *spool* (``<cache>/spool/<scheme>/<bucket>/<prefix>/``) and
+uploaded from there. A load (:meth:`StorePrefix.fetched`) has one rank per host fetch the checkpoint's small files into
 ``<cache>/fetch/<token>/`` (deleted when the load ends), every object hashed as it arrives and checked against the
 manifest and rank 0's listing; the data objects of a ``torch_dist`` checkpoint are read where they lie, by ranges
 (:mod:`~.store_reads`), a legacy checkpoint's downloaded whole.

@@ -67,8 +67,10 @@ def cached_foreign(store: ObjectStore, comm: Collectives, wanted: Callable[[str]
                 error = e
         comm.agree(error)
         hit = comm.gather(hit)[downloader]
-        yield bases.entry(key), hit  # 3.
-        comm.barrier()  # (the downloader's hold ends once every rank of its host has read the entry)
+        try:
+            yield bases.entry(key), hit  # 3.
+        finally:
+            comm.barrier()  # (the downloader's hold ends once every rank of its host has read the entry)
 
 
 def _fetch(store: ObjectStore, objects: dict[str, tuple[int, str]], into: Path) -> list[str]:
