@@ -74,6 +74,22 @@ def read_dcp_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     return sd
 
 
+def assert_runs_alike(root: Path, names: list[str], iteration: int, reference: str = "local") -> None:
+    """The checkpoints ``root/<name>/iter_<iteration>`` of runs ``names`` hold the same tensors as ``reference``'s
+    (adapters and Adam moments, bit for bit) and all record one base fingerprint."""
+    iteration_dir = f"iter_{iteration:07d}"
+    expected = read_dcp_tensors(root / reference / iteration_dir)
+    assert any(k.startswith("optimizer.") for k in expected)
+    for name in names:
+        other = read_dcp_tensors(root / name / iteration_dir)
+        assert expected.keys() == other.keys(), name
+        for k in expected:
+            assert torch.equal(expected[k], other[k]), (name, k)
+    fingerprints = {json.loads((root / name / iteration_dir / "metadata.json").read_text())["base_fingerprint"]
+                    for name in [reference, *names]}
+    assert len(fingerprints) == 1, fingerprints
+
+
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 

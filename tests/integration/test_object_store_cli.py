@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ..s3_server import BUCKET, S3Server, s3_server
-from .cli import TINY, peftckpt, read_dcp_tensors, train_records
+from .cli import TINY, assert_runs_alike, peftckpt, read_dcp_tensors, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -98,16 +98,7 @@ def test_tp2_lora_from_a_torch_dist_base_on_the_store_is_the_local_base_run(s3: 
     # By default the first run keeps the base in the host's cache, and the next one reads it from there.
     assert f"loaded base weights from {url} (fetched whole into the host's base cache)" in said["filled"]
     assert f"loaded base weights from {url} (read from the host's base cache)" in said["cached"]
-    local = read_dcp_tensors(tmp_path / "local" / "iter_0000006")
-    assert any(k.startswith("optimizer.") for k in local)
-    for name in ("ranged", "filled", "cached"):
-        other = read_dcp_tensors(tmp_path / name / "iter_0000006")
-        assert local.keys() == other.keys()
-        for k in local:
-            assert torch.equal(local[k], other[k]), (name, k)
-    fingerprints = {json.loads((tmp_path / name / "iter_0000006" / "metadata.json").read_text())["base_fingerprint"]
-                    for name in runs}
-    assert len(fingerprints) == 1
+    assert_runs_alike(tmp_path, ["ranged", "filled", "cached"], 6)
 
 
 def test_tools_read_s3(s3: S3Server, tp2_runs: Path, tmp_path: Path) -> None:

@@ -239,9 +239,10 @@ def test_a_foreign_directory_is_copied_into_the_host_cache_once_per_version(s3: 
     store.write_bytes("config.json", b'{"a": 12}')  # and one of another size
     into = Path(s3.env["PEFTCKPT_CACHE_DIR"]) / "stale-listing"
     problems = _fetch(store, {n: listed[n] for n in ("config.json", "model.safetensors")}, into)
-    assert problems == [f"{store.url}/config.json: is larger than the 8 bytes recorded",
-                        f"{store.url}/model.safetensors: its MD5 {hashlib.md5(b'u' * 1000).hexdigest()} "
-                        f"differs from its ETag {listed['model.safetensors'][1]}"], problems
+    assert problems == [f"{store.url}/config.json: size mismatch (extended): more than the 8 bytes recorded",
+                        f"{store.url}/model.safetensors: md5 checksum mismatch: expected "
+                        f"{listed['model.safetensors'][1].strip(chr(34))}, got {hashlib.md5(b'u' * 1000).hexdigest()}"
+                        ], problems
 
 
 def test_verify_hashes_a_stores_data_objects_as_they_stream_without_copying_them(s3: S3Server,

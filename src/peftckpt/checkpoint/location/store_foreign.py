@@ -15,7 +15,6 @@ ETag, so a re-uploaded base is a new entry, never a stale copy). Steps (collecti
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 import socket
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 from ..errors import CheckpointError, CheckpointIntegrityError
 from ..storage.object_store import ObjectStore, store_error
 from .base_cache import BaseCache
+from .store_fetch import fetch_one
 
 if TYPE_CHECKING:
     from ..collectives import Collectives
@@ -79,20 +79,8 @@ def _fetch(store: ObjectStore, objects: dict[str, tuple[int, str]], into: Path) 
 
     def fetch(name: str) -> str | None:
         size, etag = objects[name]
-        digest = hashlib.md5(usedforsecurity=False)
-        url = store.url_of(name)
-        try:
-            got = store.download(name, into / name, on_block=digest.update, limit=size)
-        except ValueError as e:
-            return f"{url}: {e}"
-        except Exception as e:  # noqa: BLE001 - the store's failure, named once
-            raise store_error(e, url, "the object") from None
         plain = _PLAIN_MD5.match(etag)
-        if got != size:
-            return f"{url}: {got} bytes, the listing said {size}"
-        if plain is not None and digest.hexdigest() != plain.group(1):
-            return f"{url}: its MD5 {digest.hexdigest()} differs from its ETag {etag}"
-        return None
+        return fetch_one(store, "", name, {"size": size, "checksum": plain and plain.group(1)}, "md5", into)
 
     with ThreadPoolExecutor(max_workers=max(1, min(_FETCH_THREADS, len(objects)))) as pool:
         return [p for p in pool.map(fetch, sorted(objects)) if p is not None]
