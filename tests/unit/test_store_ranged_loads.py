@@ -76,9 +76,9 @@ def test_a_load_fetches_only_the_bytes_it_needs_and_no_data_object_whole(s3: S3S
     assert not any(rel.endswith(".distcp") for rel in reads["downloaded"]), reads["downloaded"]
     fetched, asked, requests = reads["loads"][-1]
     assert result.bytes_fetched == fetched
-    assert 0.95 * size < fetched <= size  # every item and the index, each byte once
-    assert fetched <= 1.02 * asked + object_ranges.TAIL_BYTES  # the tail's GET may hold more than the index
-    assert requests <= 4  # the tail, then a few merged parts: not a GET per item
+    assert fetched == size  # every item and the index, each byte once
+    assert fetched <= 1.02 * asked
+    assert requests == 1  # whole items: the index comes with the one part holding them (no GET per item)
 
     # The model alone (no optimizer): its items' bytes, not the file.
     model_only, _ = _checkpointer(2)

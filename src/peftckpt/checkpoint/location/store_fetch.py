@@ -39,20 +39,21 @@ def read_remote_manifest(store: ObjectStore, rel: str) -> tuple[Manifest, bytes]
     return Manifest.from_json(data, url), data  # type: ignore[arg-type]
 
 
-def fetch_one(store: ObjectStore, rel: str, name: str, expected: dict, algorithm: str, into: Path | None
-               ) -> str | None:
+def fetch_one(store: ObjectStore, rel: str, name: str, expected: dict, algorithm: str, into: Path | None,
+              listed: bool = False) -> str | None:
     """Stream the object ``name`` of checkpoint ``rel`` into ``into`` (``None``: only through the hash), checked
     against ``expected``'s ``size`` and ``checksum`` (``None``: a size alone); the problem, named by URL, or
-    ``None``."""
+    ``None``. ``listed``: a listing just found the object at that size (no HEAD is sent to ask for it)."""
+    size = int(expected["size"]) if listed else None
     url = store.url_of(f"{rel}/{name}" if rel else name)
     digest = new_digest(algorithm)
     key = f"{rel}/{name}" if rel else name
     try:
         if into is None:
-            got = store.read_through(key, digest.update, limit=int(expected["size"]))
+            got = store.read_through(key, digest.update, limit=int(expected["size"]), size=size)
         else:
             (into / name).parent.mkdir(parents=True, exist_ok=True)
-            got = store.download(key, into / name, digest.update, limit=int(expected["size"]))
+            got = store.download(key, into / name, digest.update, limit=int(expected["size"]), size=size)
     except ValueError:
         return f"{url}: size mismatch (extended): more than the {expected['size']} bytes recorded"
     except FileNotFoundError:
@@ -114,8 +115,8 @@ def fetch_files(store: ObjectStore, rel: str, manifest: Manifest, into: Path | N
     if into is not None:
         into.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=max(1, min(_TRANSFER_THREADS, len(to_fetch)))) as pool:
-        found = pool.map(lambda n: fetch_one(store, rel, n, manifest.files[n], manifest.checksum_algorithm, into),
-                         to_fetch)
+        found = pool.map(lambda n: fetch_one(store, rel, n, manifest.files[n], manifest.checksum_algorithm, into,
+                                             listed=True), to_fetch)  # (listed at the recorded size)
         for name, problem in zip(to_fetch, found):
             if problem is not None:
                 problems[name] = problem

@@ -7,8 +7,9 @@ exactly the items it needs (:class:`~peftckpt.checkpoint.storage.object_ranges.O
 
 * presence and size of every object come from the one listing rank 0 made for the whole load;
 * a data file with a block index is verified by the reads themselves, block by block (its index first, by its
-  own digest); one without (written by stock DCP or an earlier peftckpt) is hashed whole by streaming it through
-  the checksum, each by one rank -- the only case where an object is read beyond what a rank needs;
+  own digest); one without (written by stock DCP or an earlier peftckpt: the read finds out, with no request of
+  its own) is hashed whole after the read, streamed through the checksum by each rank that read it -- the only
+  case where an object is read beyond what a rank needs;
 * damage is named by the object's URL.
 """
 
@@ -21,7 +22,6 @@ from pathlib import Path
 
 from peftckpt.checkpoint.storage.byte_sources import ByteSource
 from peftckpt.checkpoint.storage.checkpoint_files import CheckpointFiles
-from peftckpt.checkpoint.storage.framing import ends_with_index
 from peftckpt.checkpoint.storage.manifest import Manifest
 from peftckpt.checkpoint.storage.object_ranges import ObjectSource
 from peftckpt.checkpoint.storage.object_store import ObjectStore
@@ -87,16 +87,9 @@ class StoreFiles(CheckpointFiles):
                       ) -> list[str]:
         return []  # checked from the listing, small files hashed as they were fetched (StorePrefix.fetched)
 
-    def has_block_index(self, name: str) -> bool:
-        try:
-            source = self.source(name)
-            return ends_with_index(source.read, source.size)
-        except Exception:  # noqa: BLE001 - unreadable: hashed whole instead, which names the object and the cause
-            return False
-
     def checksum_problems(self, manifest: Manifest, rels: list[str]) -> list[str]:
-        found = [fetch_one(self._store, self._rel, name, manifest.files[name], manifest.checksum_algorithm, None)
-                 for name in sorted(rels)]
+        found = [fetch_one(self._store, self._rel, name, manifest.files[name], manifest.checksum_algorithm, None,
+                           listed=True) for name in sorted(rels)]  # (listed at the recorded size for this load)
         return [p for p in found if p is not None]
 
     @property

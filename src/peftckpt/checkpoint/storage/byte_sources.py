@@ -36,9 +36,9 @@ class ByteSource(Protocol):
         """``nbytes`` bytes from ``offset`` (fewer only at the end)."""
         ...
 
-    def expect(self, ranges: Sequence[tuple[int, int]]) -> None:
+    def expect(self, ranges: Sequence[tuple[int, int]], tail: bool = False) -> None:
         """The ``[start, end)`` ranges about to be read, in the order they will be (a hint; reads outside
-        them are still answered)."""
+        them are still answered); ``tail``: the file's block index at its end will be read too, first."""
         ...
 
     def close(self) -> None: ...
@@ -59,7 +59,7 @@ class FileSource:
     def read(self, nbytes: int, offset: int) -> bytes:
         return os.pread(self._fd, nbytes, offset)
 
-    def expect(self, ranges: Sequence[tuple[int, int]]) -> None:
+    def expect(self, ranges: Sequence[tuple[int, int]], tail: bool = False) -> None:
         pass
 
     def close(self) -> None:

@@ -61,6 +61,7 @@ from .framing import (
     IndexedItem,
     ends_with_index,
     read_index,
+    segment_digests,
     tensor_bytes,
 )
 from .safe_pickle import SafeFileSystemReader, _SafeBytesPlanner
@@ -99,30 +100,6 @@ class _Span:
     block_end: int
 
 
-def _digests(segments: Sequence[memoryview], sizes: Sequence[int]) -> list[int]:
-    """XXH3-64 of consecutive pieces of ``sizes`` bytes of the concatenated ``segments``."""
-    out = []
-    seg, pos = 0, 0
-    for size in sizes:
-        if seg < len(segments) and pos + size <= len(segments[seg]):  # within one segment: one call
-            out.append(xxhash.xxh3_64_intdigest(segments[seg][pos:pos + size]))
-            pos += size
-        else:
-            h = xxhash.xxh3_64()
-            left = size
-            while left:
-                take = min(left, len(segments[seg]) - pos)
-                h.update(segments[seg][pos:pos + take])
-                left -= take
-                pos += take
-                if pos == len(segments[seg]):
-                    seg, pos = seg + 1, 0
-            out.append(h.intdigest())
-        if seg < len(segments) and pos == len(segments[seg]):
-            seg, pos = seg + 1, 0
-    return out
-
-
 class RangedFileSystemReader(SafeFileSystemReader):
     """``SafeFileSystemReader`` reading requested regions in place, verified by block (module docstring)."""
 
@@ -136,6 +113,8 @@ class RangedFileSystemReader(SafeFileSystemReader):
         """Damage found while reading: one message per damaged file region."""
         self.bytes_read = 0
         """Bytes this reader read from data files by ranges (the stock path's reads not included)."""
+        self.unindexed: list[str] = []
+        """Data files (names) opened through ``sources`` without a block index: not verified by the reads."""
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, list[int]]] = {}
         self._lock = threading.Lock()
         self._buffer: torch.Tensor | None = None
@@ -158,7 +137,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
             for rel, items in per_file.items():
                 source = self._open(rel)
                 try:
-                    stock += self._read_file(source, items, planner, safe, pool)
+                    stock += self._read_file(rel, source, items, planner, safe, pool)
                 finally:
                     source.close()
         if stock:
@@ -171,14 +150,20 @@ class RangedFileSystemReader(SafeFileSystemReader):
         return FileSource(Path(str(self.fs.concat_path(self.path, rel)))) if self._sources is None else \
             self._sources(rel)
 
-    def _read_file(self, source: ByteSource, items: list[ReadItem], planner: LoadPlanner, safe: LoadPlanner,
-                   pool: ThreadPoolExecutor) -> list[ReadItem]:
-        """Read ``items`` of one data file; returns those left to the stock reader (a local file's items its
-        index does not list)."""
-        index = self._index(source)
+    def _read_file(self, rel: str, source: ByteSource, items: list[ReadItem], planner: LoadPlanner,
+                   safe: LoadPlanner, pool: ThreadPoolExecutor) -> list[ReadItem]:
+        """Read ``items`` of the data file ``rel``; returns those left to the stock reader (a local file's items
+        its index does not list)."""
         items = sorted(items, key=lambda i: self.storage_data[i.storage_index].offset)
+        whole = self._whole_records(items) if self._sources is not None else None
+        if whole is not None:  # known before the index: planned with it (one request fewer on a store)
+            source.expect(whole, tail=True)
+        damaged = len(self.problems)
+        index = self._index(source)
+        if index is None and self._sources is not None and self.verify and len(self.problems) == damaged:
+            self.unindexed.append(rel)
         entries = [self._entry(index, item) for item in items]
-        if self._sources is not None:  # a local file reads on demand: nothing to plan
+        if self._sources is not None and whole is None:  # a local file reads on demand: nothing to plan
             source.expect([self._range(item, entry) for item, entry in zip(items, entries)])
         stock: list[ReadItem] = []
         jobs: list[tuple[ReadItem, PoolFuture[Any]]] = []
@@ -285,6 +270,19 @@ class RangedFileSystemReader(SafeFileSystemReader):
                 return None
         return blob
 
+    def _whole_records(self, items: list[ReadItem]) -> list[tuple[int, int]] | None:
+        """The stored records of ``items`` if each is read whole (what :meth:`_range` then answers, known from
+        the ``.metadata`` alone), else ``None``: a slice's range needs the block index."""
+        out = []
+        for item in items:
+            if item.type != LoadItemType.BYTE_IO:
+                chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+                if chunk is None or any(item.storage_offsets) or list(item.lengths) != chunk[1]:
+                    return None
+            info = cast(_StorageInfo, self.storage_data[item.storage_index])
+            out.append((info.offset, info.offset + info.length))
+        return out
+
     def _range(self, item: ReadItem, entry: IndexedItem | None) -> tuple[int, int]:
         """The ``[start, end)`` of the file that reading ``item`` covers (what a source is told to expect)."""
         if entry is None:
@@ -379,7 +377,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
             sizes = [len(segments[0]), *sizes, len(segments[2])]
             positions = [0, *positions, len(entry.digests) - 1]
         self._check(path, repr(item.storage_index.fqn), entry, positions,
-                    _digests([s for s in segments if len(s)], [s for s in sizes]))
+                    segment_digests([s for s in segments if len(s)], [s for s in sizes]))
 
 
 def load_state_dict(state_dict: dict[str, Any], reader: RangedFileSystemReader, planner: LoadPlanner,

@@ -117,6 +117,11 @@ class StoredCheckpoint(Protocol):
     """The stored objects (optimizer groups, RNG state, states, the caller's objects) this rank can read."""
     per_rank: bool
     """The keys are this rank's own (a file per rank), not the whole checkpoint's."""
+    @property
+    def unindexed(self) -> list[str]:
+        """After :meth:`read`: the data files read from a store that have no block index, so the read could not
+        verify them (written by stock DCP or an earlier peftckpt): the load hashes them whole."""
+        ...
 
     def read(self, request: dict[str, Any], on_piece: Callable[[str, tuple[int, ...], torch.Tensor], None] | None = None
              ) -> list[str]:
@@ -313,6 +318,10 @@ class _DcpCheckpoint:
              ) -> list[str]:
         load_state_dict(request, self._reader, EntryLoadPlanner(on_piece), self._group)
         return self._reader.problems
+
+    @property
+    def unindexed(self) -> list[str]:
+        return self._reader.unindexed
 
 
 class LegacyTorchFormat:

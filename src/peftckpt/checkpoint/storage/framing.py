@@ -38,7 +38,7 @@ import torch
 import xxhash
 
 __all__ = ["BLOCK_BYTES", "INDEX_ALGORITHM", "TensorRecord", "tensor_record", "tensor_bytes", "IndexedItem",
-           "block_digests", "encode_index", "ends_with_index", "read_index", "BlockIndexError"]
+           "block_digests", "segment_digests", "encode_index", "ends_with_index", "read_index", "BlockIndexError"]
 
 BLOCK_BYTES = 1 << 20
 """Verification granularity of tensor bytes: a partial read reads at most one block more at each end."""
@@ -191,6 +191,30 @@ class IndexedItem:
 def block_digests(data: memoryview) -> list[int]:
     """XXH3-64 of each :data:`BLOCK_BYTES` block of ``data`` (none for no bytes)."""
     return [xxhash.xxh3_64_intdigest(data[i:i + BLOCK_BYTES]) for i in range(0, len(data), BLOCK_BYTES)]
+
+
+def segment_digests(segments: Sequence[memoryview], sizes: Sequence[int]) -> list[int]:
+    """XXH3-64 of consecutive pieces of ``sizes`` bytes of the concatenated ``segments``."""
+    out = []
+    seg, pos = 0, 0
+    for size in sizes:
+        if seg < len(segments) and pos + size <= len(segments[seg]):  # within one segment: one call
+            out.append(xxhash.xxh3_64_intdigest(segments[seg][pos:pos + size]))
+            pos += size
+        else:
+            h = xxhash.xxh3_64()
+            left = size
+            while left:
+                take = min(left, len(segments[seg]) - pos)
+                h.update(segments[seg][pos:pos + take])
+                left -= take
+                pos += take
+                if pos == len(segments[seg]):
+                    seg, pos = seg + 1, 0
+            out.append(h.intdigest())
+        if seg < len(segments) and pos == len(segments[seg]):
+            seg, pos = seg + 1, 0
+    return out
 
 
 def encode_index(items: Sequence[IndexedItem]) -> bytes:

@@ -71,6 +71,7 @@ class LegacyRankFile:
     :class:`~peftckpt.checkpoint.storage.formats.StoredCheckpoint`)."""
 
     per_rank = True
+    unindexed: list[str] = []  # (hashed whole before the read)
 
     def __init__(self, root: Path, manifest: Manifest, layout: Mapping[str, int], coords: Mapping[str, int]) -> None:
         saved = {k: manifest.layout.get(k, 1) for k in ("tp", "pp", "vpp")}

@@ -4,7 +4,10 @@
 object store. Steps of a load's reads from one object:
 
 1. The tail (the block index and its footer) comes in one ranged GET of the last :data:`TAIL_BYTES` (a second
-   GET only for a larger index), kept for the reads that follow.
+   GET only for a larger index), kept for the reads that follow -- unless the reader said beforehand that it
+   reads up to the tail anyway (step 2 with ``tail``: a rank reading whole items, e.g. a resume at the same
+   layout): then the tail is the end of the last part, and the load makes one request fewer per object, the
+   one that every other request waited for.
 2. The reader tells the source every range it will read (:meth:`ObjectSource.expect`): they are merged where
    they lie at most :data:`GAP_BYTES` apart (the bytes wasted by a merge are bounded; a resume reads one run per
    file) and cut into parts of at most :data:`PART_BYTES`, each one ranged GET.
@@ -93,10 +96,17 @@ class ObjectSource:
         parts = [(s, self._pool.submit(self._get, s, e)) for s, e in merge_ranges([(start, end)], 0, PART_BYTES)]
         return [(s, f.result()) for s, f in parts]
 
-    def expect(self, ranges: Sequence[tuple[int, int]]) -> None:
-        """Step 2: plan the parts covering ``ranges`` and start fetching the first of them."""
+    def expect(self, ranges: Sequence[tuple[int, int]], tail: bool = False) -> None:
+        """Step 2: plan the parts covering ``ranges`` and start fetching the first of them. ``tail``: the block
+        index will be read first; it joins the last part where the ranges end near it and all of them fit the
+        window (else step 1 fetches it on its own)."""
         below = self.size if self._tail is None else self._tail[0]  # what the kept tail holds is not fetched again
         ranges = [(max(0, s), min(e, below)) for s, e in ranges]
+        if tail and self._tail is None and ranges:
+            last = max(e for _, e in ranges)
+            wanted = sum(e - s for s, e in ranges)
+            if 0 < self.size - last <= max(TAIL_BYTES, wanted // 50) and wanted + self.size - last <= AHEAD_BYTES:
+                ranges.append((last, self.size))
         with self._lock:
             self._parts = [_Part(s, e, 0) for s, e in merge_ranges(ranges, GAP_BYTES, PART_BYTES)]
             self._starts = [p.start for p in self._parts]
@@ -124,7 +134,7 @@ class ObjectSource:
         """Step 1 for reads near the end (the index); otherwise :meth:`read_into` a fresh buffer."""
         end = min(offset + nbytes, self.size)
         guess = max(min(TAIL_BYTES, self.size // 64), 4 << 10)
-        if self._tail is None and end > self.size - guess:
+        if self._tail is None and end > self.size - guess and self._covering(offset, end) is None:
             start = min(offset, max(0, self.size - guess))
             self._tail = (start, self._get(start, self.size))
         kept = self._in_tail(offset, end)

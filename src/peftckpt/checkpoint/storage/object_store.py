@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,26 +146,35 @@ class ObjectStore:
             marks = {"KeyMarker": reply["NextKeyMarker"], "UploadIdMarker": reply["NextUploadIdMarker"]}
 
     def download(self, rel: str, local: Path, on_block: Callable[[memoryview], None] | None = None,
-                 limit: int | None = None) -> int:
+                 limit: int | None = None, size: int | None = None) -> int:
         """Stream the object ``rel`` into the local file ``local``, handing each block to ``on_block`` (a
         digest's ``update``) as it arrives; returns the bytes written. Stops with ``ValueError`` past ``limit``
-        bytes (an object grown since it was recorded is never read without bound)."""
+        bytes (an object grown since it was recorded is never read without bound). ``size``: the object's size
+        as a listing just gave it (a small object then comes in one GET, without the HEAD that asks for it)."""
         total = 0
-        buf = bytearray(_COPY_BLOCK)
-        view = memoryview(buf)
-        with self.fs.open(self.key(rel), "rb", block_size=_COPY_BLOCK) as src, open(local, "wb") as dst:
-            while n := src.readinto(buf):
-                total += n
-                if limit is not None and total > limit:
-                    raise ValueError(f"is larger than the {limit} bytes recorded")
+        with open(local, "wb") as dst:
+            for block in self._blocks(rel, limit, size):
+                total += len(block)
                 if on_block is not None:
-                    on_block(view[:n])
-                dst.write(view[:n])
+                    on_block(block)
+                dst.write(block)
         return total
 
-    def read_through(self, rel: str, on_block: Callable[[memoryview], None], limit: int | None = None) -> int:
-        """Stream the object ``rel`` to ``on_block`` without keeping it; returns its size (``limit`` as in
-        :meth:`download`)."""
+    def read_through(self, rel: str, on_block: Callable[[memoryview], None], limit: int | None = None,
+                     size: int | None = None) -> int:
+        """Stream the object ``rel`` to ``on_block`` without keeping it; returns its size (``limit`` and ``size``
+        as in :meth:`download`)."""
+        total = 0
+        for block in self._blocks(rel, limit, size):
+            total += len(block)
+            on_block(block)
+        return total
+
+    def _blocks(self, rel: str, limit: int | None, size: int | None) -> Iterator[memoryview]:
+        """The bytes of the object ``rel`` in consecutive blocks (each valid until the next is asked for)."""
+        if size is not None and size <= _COPY_BLOCK:
+            yield memoryview(self.read_bytes(rel, limit))
+            return
         total = 0
         buf = bytearray(_COPY_BLOCK)
         view = memoryview(buf)
@@ -174,8 +183,7 @@ class ObjectStore:
                 total += n
                 if limit is not None and total > limit:
                     raise ValueError(f"is larger than the {limit} bytes recorded")
-                on_block(view[:n])
-        return total
+                yield view[:n]
 
     def copy(self, src_rel: str, dst_rel: str) -> None:
         """Server-side copy of one object (no bytes through this process where the store supports it)."""
