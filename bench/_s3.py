@@ -33,9 +33,12 @@ def s3_for_bench(work: Path) -> Iterator[str]:
     _importable_tests()
     from tests.s3_server import BUCKET, s3_server
 
+    from peftckpt.checkpoint.location.store_lease import LEASE_ENV
+
     with s3_server(work / "s3-cache", recording=work / "s3-requests.jsonl") as server:
-        saved = {k: os.environ.get(k) for k in [*server.env, S3_ENV, RECORDING_ENV]}
-        os.environ.update(server.env)
+        env = {k: v for k, v in server.env.items() if k != LEASE_ENV}  # the default lease, not the tests' 2 s: its
+        saved = {k: os.environ.get(k) for k in [*env, S3_ENV, RECORDING_ENV]}  # renewals would load the server
+        os.environ.update(env)
         os.environ[S3_ENV] = f"s3://{BUCKET}/bench"
         os.environ[RECORDING_ENV] = str(server.recording)
         try:
