@@ -54,7 +54,7 @@ from .base_cache import BaseCache
 from .dir_lock import acquire_save_lock
 from .directory import Directory
 from .names import MANIFEST_FILENAME, STAGING_PREFIX, iteration_dirname
-from .store_fetch import fetch_files, list_checked, listed_problems, read_remote_manifest
+from .store_fetch import fetch_files, listed_problems, read_listed, read_remote_manifest
 from .store_foreign import cached_foreign
 from .store_lease import acquire_remote_lock, check_lease
 from .store_reads import StoreFiles, shared_pool
@@ -295,8 +295,8 @@ class StorePrefix(Location):
         url = self.store.url_of(rel)
 
         def listed_manifest() -> tuple[str, bytes, tuple[dict[str, int], dict[str, str]]]:
-            manifest, data = read_remote_manifest(self.store, rel)
-            return secrets.token_hex(6), data, list_checked(self.store, rel, manifest)
+            _, data, listed = read_listed(self.store, rel)
+            return secrets.token_hex(6), data, listed
 
         token, data, listed = comm.first_answers(listed_manifest)  # 1.
         manifest = Manifest.from_json(data, self.store.url_of(f"{rel}/{MANIFEST_FILENAME}"))  # type: ignore[arg-type]
@@ -366,8 +366,7 @@ class StorePrefix(Location):
         :meth:`CommittedCopy.release`, or when the process exits."""
         local = cache_root() / "fetch" / secrets.token_hex(6) / iteration_dirname(iteration)
         atexit.register(shutil.rmtree, local.parent, True)
-        manifest, data_bytes = read_remote_manifest(self.store, rel)
-        listed = list_checked(self.store, rel, manifest)
+        manifest, data_bytes, listed = read_listed(self.store, rel)
         problems = fetch_files(self.store, rel, manifest, local, listed, only=None if data else
                                (lambda name: not is_data_file(name)))
         if not data:  # (the listing's problems, said by both calls, once)

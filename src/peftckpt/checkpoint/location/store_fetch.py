@@ -18,7 +18,7 @@ from peftckpt.checkpoint.storage.checksums import new_digest
 from peftckpt.checkpoint.storage.manifest import MANIFEST_MAX_BYTES, Manifest
 from peftckpt.checkpoint.storage.object_store import ObjectStore, store_error
 
-__all__ = ["read_remote_manifest", "list_checked", "listed_problems", "fetch_one", "fetch_files"]
+__all__ = ["read_remote_manifest", "read_listed", "list_checked", "listed_problems", "fetch_one", "fetch_files"]
 
 _TRANSFER_THREADS = 8
 
@@ -37,6 +37,15 @@ def read_remote_manifest(store: ObjectStore, rel: str) -> tuple[Manifest, bytes]
     except Exception as e:  # noqa: BLE001 - the store's failure, named once
         raise store_error(e, url, "the manifest") from None
     return Manifest.from_json(data, url), data  # type: ignore[arg-type]
+
+
+def read_listed(store: ObjectStore, rel: str) -> tuple[Manifest, bytes, tuple[dict[str, int], dict[str, str]]]:
+    """The manifest of the checkpoint ``rel`` (and its bytes) and :func:`list_checked`'s answer, the LIST sent
+    while the manifest is read: two requests in the time of one."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-list") as pool:
+        listing = pool.submit(store.list_files, rel)
+        manifest, data = read_remote_manifest(store, rel)
+        return manifest, data, list_checked(store, rel, manifest, listing.result)
 
 
 def fetch_one(store: ObjectStore, rel: str, name: str, expected: dict, algorithm: str, into: Path | None,
@@ -85,12 +94,13 @@ def listed_problems(store: ObjectStore, rel: str, manifest: Manifest, stored: di
     return problems
 
 
-def list_checked(store: ObjectStore, rel: str, manifest: Manifest) -> tuple[dict[str, int], dict[str, str]]:
-    """One LIST of the checkpoint ``rel``: ``({name: size}, {name: problem})`` (:func:`listed_problems`); a
-    listing that fails is one problem naming the checkpoint."""
+def list_checked(store: ObjectStore, rel: str, manifest: Manifest,
+                 listing: Callable[[], dict[str, int]] | None = None) -> tuple[dict[str, int], dict[str, str]]:
+    """One LIST of the checkpoint ``rel`` (``listing``: the answer of one already sent): ``({name: size},
+    {name: problem})`` (:func:`listed_problems`); a listing that fails is one problem naming the checkpoint."""
     try:
         new_digest(manifest.checksum_algorithm)
-        stored = store.list_files(rel)
+        stored = listing() if listing is not None else store.list_files(rel)
     except CheckpointError as e:
         return {}, {"": f"{store.url_of(rel)}: {e}"}
     except Exception as e:  # noqa: BLE001
