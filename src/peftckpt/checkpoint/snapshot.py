@@ -8,6 +8,7 @@ checkpoint is committed once every rank finished writing.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_module_registration_hook
+from torch.utils.hooks import RemovableHandle
 
 from ..sharding.entries import GlobalTensor, Piece
 from .errors import CheckpointError
@@ -64,27 +67,42 @@ class CallState:
     """What a deferred snapshot (:attr:`~peftckpt.checkpoint.options.SaveOptions.defer_snapshot`) takes before the
     save call returns, so that entries built later in the save's thread still save the state of the call: the
     model's buffers, copied (a forward pass may update them: running statistics, counters; they are small), and
-    the version counter of every tensor training updates in place (trainable parameters, optimizer state). The
-    parameters and the optimizer state change only at the optimizer step, which waits for the copy
-    (:meth:`~peftckpt.checkpoint.api.Checkpointer.snapshot_fence`).
+    the version counter of every parameter the optimizer step updates. The parameters and the optimizer state
+    change only at that step, which waits for the copy (:meth:`~peftckpt.checkpoint.api.Checkpointer.snapshot_fence`);
+    a step taken too early changes a parameter together with its state, so the parameters' counters tell it
+    (the state's, three times as many tensors, are not read on the training thread).
 
     Only the live tensors are recorded at the call; their storage addresses -- by which the save's thread matches
-    them to its entries' pieces (views share their base's storage) -- are looked up there, off the training
-    thread. Holding the live tensors keeps those addresses theirs until the save ends."""
+    them to its entries' pieces (views share their base's storage) -- and the optimizer state of each are looked
+    up there, off the training thread. Holding the live tensors keeps those addresses theirs until the save ends."""
 
     buffers: list[tuple[torch.Tensor, torch.Tensor]]
     """``(live buffer, its copy)`` for each buffer of the model."""
-    updated: list[tuple[torch.Tensor, int]]
-    """``(live tensor, its version counter)`` for each tensor the optimizer step updates (its parameters --
-    without an optimizer, every trainable parameter -- and its state)."""
+    updated: list[tuple[torch.Tensor, torch.Tensor, int]]
+    """``(parameter, its live tensor, its version counter)`` for each parameter the optimizer step updates
+    (without an optimizer, every trainable parameter)."""
+    optimizer: torch.optim.Optimizer | None = None
 
     def buffer_copies(self) -> dict[tuple[int, int, tuple[int, ...]], torch.Tensor]:
         """The buffers' copies by ``(storage address, storage offset, shape)`` of the live tensor."""
         return {_key(live): copied for live, copied in self.buffers}
 
-    def versions(self) -> dict[int, int]:
-        """The version counters at the call by storage address."""
-        return {live.untyped_storage().data_ptr(): version for live, version in self.updated}
+    def owners(self) -> dict[int, int]:
+        """The parameter each updated storage moves with, by storage address: a parameter's own, and its
+        optimizer state's."""
+        out: dict[int, int] = {}
+        for param, live, _ in self.updated:
+            ptr = live.untyped_storage().data_ptr()
+            out[ptr] = ptr
+            state = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    out[_local(v).untyped_storage().data_ptr()] = ptr
+        return out
+
+    def moved(self) -> set[int]:
+        """The storage addresses of the parameters modified in place since the call."""
+        return {live.untyped_storage().data_ptr() for _, live, version in self.updated if live._version != version}
 
 
 def _key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
@@ -99,24 +117,44 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def take_call_state(chunks: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> CallState:
     """The :class:`CallState` of a deferred snapshot, taken in the save call (one walk over the parameters and
     buffers, no entry built, no storage looked up)."""
-    buffers = []
-    for chunk in chunks:
-        for b in chunk.buffers():
-            live = _local(b).detach()
-            buffers.append((live, live.clone()))
-    # What the optimizer step updates: its parameters and its state (without one, every trainable parameter).
+    buffers = [(live, live.clone()) for live in (_local(b).detach() for b in _buffers(chunks))]
+    # What the optimizer step updates: its parameters (without one, every trainable parameter).
     params: list[torch.Tensor]
     if optimizer is None:
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     else:
         ensure_optimizer_state(optimizer)  # (created now, as a save without a step creates them)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        params += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    updated = []
-    for t in params:
-        live = t._local_tensor if isinstance(t, DTensor) else t
-        updated.append((live, live._version))
-    return CallState(buffers, updated)
+    lives = [_local(p) for p in params]
+    return CallState(buffers, [(p, live, live._version) for p, live in zip(params, lives)], optimizer)
+
+
+def _buffers(chunks: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Every buffer of ``chunks`` as it is now (``Module.to`` and the like replace buffer tensors, so they are
+    looked up at every call), from module lists kept while no submodule is registered anywhere."""
+    global _HOOK
+    if _HOOK is None:
+        _HOOK = register_module_module_registration_hook(_tree_changed)
+    out: list[torch.Tensor] = []
+    for chunk in chunks:
+        known = _TREES.get(chunk)
+        if known is None or known[0] != _TREE_CHANGES[0]:
+            known = _TREES[chunk] = (_TREE_CHANGES[0], list(chunk.modules()))
+        for m in known[1]:
+            if m._buffers:
+                out.extend(b for b in m._buffers.values() if b is not None)
+    return out
+
+
+_TREES: weakref.WeakKeyDictionary[nn.Module, tuple[int, list[nn.Module]]] = weakref.WeakKeyDictionary()
+"""Each chunk's modules, as of the count of :data:`_TREE_CHANGES` they were listed at."""
+_TREE_CHANGES = [0]
+"""Submodules registered in this process since it started (counted by a global registration hook)."""
+_HOOK: RemovableHandle | None = None
+
+
+def _tree_changed(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    _TREE_CHANGES[0] += 1
 
 
 def _is_buffer(key: str, v: GlobalTensor) -> bool:
@@ -137,13 +175,14 @@ def unchanged_since_call(flat: Mapping[str, Any], call: CallState, fence: str) -
     """A check, to run once a deferred snapshot is copied, that no tensor training updates (trainable
     parameters, optimizer state) of ``flat`` was modified in place since the call: else the copy may mix two
     steps, and the save is discarded with an error that says what to call first (``fence``)."""
-    versions = call.versions()
-    pieces = [(k, p.tensor, versions.get(p.tensor.untyped_storage().data_ptr()))
+    owners = call.owners()
+    pieces = [(k, owners.get(p.tensor.untyped_storage().data_ptr()))
               for k, v in flat.items() if isinstance(v, GlobalTensor) and not v.frozen and not _is_buffer(k, v)
               for p in v.pieces]
 
     def check() -> None:
-        changed = sorted({k for k, t, version in pieces if version is not None and t._version != version})
+        moved = call.moved()
+        changed = sorted({k for k, owner in pieces if owner is not None and owner in moved})
         if changed:
             raise CheckpointError(
                 f"{len(changed)} tensor(s) were modified in place before an async save had copied them "
