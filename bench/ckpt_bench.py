@@ -614,6 +614,7 @@ def run_worker(args: argparse.Namespace) -> None:
             args.worker_result.write_text(json.dumps(result))
         ctx.barrier()
     finally:
+        gc.collect()  # while the group exists (see examples/dtensor_tp_lora.py)
         dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ fingerprint and refuses an adapter on another base.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,10 @@ def main() -> None:
         losses = train(str(Path(a.workdir) / "ckpt"), a.steps, a.save_every)
         dist.barrier()  # leave together: gloo can abort a process whose peer is still connected
     finally:
+        # Collect while the groups still exist: DTensor's collectives leave reference cycles which, collected
+        # at interpreter exit after destroy_process_group, abort a rank now and then ("terminate called
+        # without an active exception"; a TP forward with gloo, torch 2.13: 6 of 40 runs, 0 of 70 with this).
+        gc.collect()
         dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:  # the export is offline: no process group needed
         print("losses:", " ".join(f"{x:.4f}" for x in losses))

@@ -5,6 +5,7 @@ A rank's exception is re-raised in the test with that rank's traceback.
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import socket
@@ -42,6 +43,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        gc.collect()  # while the group exists (see examples/dtensor_tp_lora.py: DTensor leaves cycles behind)
         if dist.is_initialized():
             dist.destroy_process_group()
 
