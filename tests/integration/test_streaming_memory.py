@@ -107,7 +107,9 @@ def test_qlora_quantizes_a_base_as_it_reads_it(tmp_path: Path) -> None:
                              "--save", str(save)])
         fingerprints.add(read_manifest(save / "iter_0000001").base_fingerprint)
     print(f"model {model_bytes} B (linear weights {linear_bytes} B); peak RSS rise: LoRA {plain} B, QLoRA {peaks}")
-    # NF4 keeps ~0.53 bytes of the 4 of each linear value; the rest: embeddings, a few tensors in flight, activations
+    # NF4 keeps ~0.53 bytes of the 4 of each linear value; the rest: embeddings, a few tensors in flight, activations.
+    # Measured: 0.82-0.83 of the linear bytes saved alone, 0.75 with the other test worker busy (the unquantized
+    # run's own peak moved by 20 MB); a run holding the full-precision base would save none of them.
     for base, peak in peaks.items():
-        assert peak < plain - 0.75 * linear_bytes, (base, peak, plain, linear_bytes)
+        assert peak < plain - 0.6 * linear_bytes, (base, peak, plain, linear_bytes)
     assert len(fingerprints) == 1, fingerprints

@@ -127,6 +127,23 @@ def test_safe_reader_round_trip(tmp_path: Path) -> None:
     assert reader.read_metadata().storage_meta.load_id == reader.load_id  # type: ignore[union-attr]
 
 
+def test_safe_reader_unpickles_the_metadata_once_per_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked again within one load (the checkpoint opened, then DCP's own call), the same metadata; a new load
+    (``reset``: a new load id) reads the file again."""
+    from peftckpt.checkpoint.storage import safe_pickle
+
+    _dcp_save(tmp_path, _state_dict())
+    parsed = []
+    monkeypatch.setattr(safe_pickle, "load_dcp_metadata", lambda path: parsed.append(path) or load_dcp_metadata(path))
+    reader = SafeFileSystemReader(tmp_path)
+    first = reader.read_metadata()
+    assert reader.read_metadata() is first and len(parsed) == 1
+    reader.reset()
+    again = reader.read_metadata()
+    assert again is not first and len(parsed) == 2
+    assert again.storage_meta.load_id == reader.load_id  # type: ignore[union-attr]
+
+
 def test_safe_reader_refuses_unsafe_bytes_item(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     ckpt = tmp_path / "ckpt"

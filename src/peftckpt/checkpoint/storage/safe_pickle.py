@@ -219,13 +219,21 @@ class SafeFileSystemReader(FileSystemReader):
       sees them; tensors are already loaded that way by the base class.
     """
 
+    _metadata_read: tuple[tuple[str, str], Metadata] | None = None
+    """The last metadata read, by path and load."""
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Read ``.metadata`` (or ``__<rank>.metadata`` when ``rank`` is given) safely."""
+        """Read ``.metadata`` (or ``__<rank>.metadata`` when ``rank`` is given) safely; asked again within the
+        same load (the checkpoint opened, then DCP's load), the same metadata, not a second unpickling."""
         path = self._get_metadata_path(kwargs.get("rank"))
+        key = (str(path), self.load_id)
+        if self._metadata_read is not None and self._metadata_read[0] == key:
+            return self._metadata_read[1]
         metadata = load_dcp_metadata(path)
         stored = getattr(metadata, "storage_meta", None)
         metadata.storage_meta = StorageMeta() if stored is None else copy.copy(stored)  # this reader's own
         cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
+        self._metadata_read = (key, metadata)
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
