@@ -151,14 +151,13 @@ class ObjectStore:
         digest's ``update``) as it arrives; returns the bytes written. Stops with ``ValueError`` past ``limit``
         bytes (an object grown since it was recorded is never read without bound). ``size``: the object's size
         as a listing just gave it (a small object then comes in one GET, without the HEAD that asks for it)."""
-        total = 0
         with open(local, "wb") as dst:
-            for block in self._blocks(rel, limit, size):
-                total += len(block)
+            def written(block: memoryview) -> None:
                 if on_block is not None:
                     on_block(block)
                 dst.write(block)
-        return total
+
+            return self.read_through(rel, written, limit, size)
 
     def read_through(self, rel: str, on_block: Callable[[memoryview], None], limit: int | None = None,
                      size: int | None = None) -> int:
