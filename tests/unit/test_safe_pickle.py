@@ -134,7 +134,8 @@ def test_safe_reader_unpickles_the_metadata_once_per_load(tmp_path: Path, monkey
 
     _dcp_save(tmp_path, _state_dict())
     parsed = []
-    monkeypatch.setattr(safe_pickle, "load_dcp_metadata", lambda path: parsed.append(path) or load_dcp_metadata(path))
+    monkeypatch.setattr(safe_pickle, "load_dcp_metadata",
+                        lambda path, **kw: parsed.append(path) or load_dcp_metadata(path, **kw))
     reader = SafeFileSystemReader(tmp_path)
     first = reader.read_metadata()
     assert reader.read_metadata() is first and len(parsed) == 1
@@ -142,6 +143,29 @@ def test_safe_reader_unpickles_the_metadata_once_per_load(tmp_path: Path, monkey
     again = reader.read_metadata()
     assert again is not first and len(parsed) == 2
     assert again.storage_meta.load_id == reader.load_id  # type: ignore[union-attr]
+
+
+def test_a_loads_integrity_check_hands_its_metadata_to_the_reader_once(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's integrity check keeps the metadata it unpickled for the reader (one unpickling per load, not two),
+    once: the next load unpickles again, and bytes that changed in between are never taken for the kept ones."""
+    from peftckpt.checkpoint.storage import safe_pickle
+
+    _dcp_save(tmp_path, _state_dict())
+    path = tmp_path / ".metadata"
+    unpickled = []
+    real = safe_pickle.RestrictedUnpickler.load
+    monkeypatch.setattr(safe_pickle.RestrictedUnpickler, "load", lambda self: unpickled.append(1) or real(self))
+    checked = load_dcp_metadata(path, hand_on=True)
+    assert load_dcp_metadata(path, handed=True) is checked and len(unpickled) == 1
+    assert load_dcp_metadata(path, handed=True) is not checked and len(unpickled) == 2  # handed on once only
+    load_dcp_metadata(path, hand_on=True)
+    reader = SafeFileSystemReader(tmp_path)
+    assert reader.read_metadata().state_dict_metadata.keys() == checked.state_dict_metadata.keys()
+    assert len(unpickled) == 3  # the reader took what the check kept
+    load_dcp_metadata(path, hand_on=True)
+    _dcp_save(tmp_path, {**_state_dict(), "extra": torch.zeros(3)})  # other bytes at the same path
+    assert "extra" in load_dcp_metadata(path, handed=True).state_dict_metadata and len(unpickled) == 5
 
 
 def test_safe_reader_refuses_unsafe_bytes_item(tmp_path: Path) -> None:

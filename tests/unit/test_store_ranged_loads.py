@@ -171,6 +171,69 @@ def test_an_object_source_holds_a_bounded_window(s3: S3Server, monkeypatch: pyte
         source.close()
 
 
+def test_the_index_part_goes_first_and_reads_start_as_their_parts_arrive(s3: S3Server,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-items read: the part holding the block index is requested first (every read waits for the index),
+    and a range is ready as soon as its own parts are there, whatever the order the store answers in -- a part
+    held back holds back only the reads of its bytes."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(object_ranges, "PART_BYTES", 64 << 10)
+    monkeypatch.setattr(object_ranges, "TAIL_BYTES", 4 << 10)
+    blob = os.urandom(512 << 10)
+    s3.fs().pipe_file(f"{BUCKET}/ranged/parts", blob)
+    store = ObjectStore(s3.url("ranged"))
+    body = len(blob) - (4 << 10)  # items up to the last 4 KB (the "index")
+    items = [(s, min(s + (32 << 10), body)) for s in range(0, body, 32 << 10)]
+    asked: list[int] = []
+    first_part = threading.Event()
+    get = ObjectSource._get
+
+    def gated_get(self: ObjectSource, start: int, end: int) -> bytes:
+        asked.append(start)
+        if start == 0:
+            first_part.wait(30)
+        return get(self, start, end)
+
+    monkeypatch.setattr(ObjectSource, "_get", gated_get)
+    first_part.set()
+    with ThreadPoolExecutor(1) as one:  # one GET at a time: the order they were asked in
+        source = ObjectSource(store, "parts", len(blob), one)
+        source.expect(items, tail=True)
+        assert source.read(4 << 10, body) == blob[body:]
+        parts = [p.start for p in source._parts]
+        for start, end in items:
+            buf = bytearray(end - start)
+            assert source.read_into([memoryview(buf)], start) == end - start and bytes(buf) == blob[start:end]
+        assert asked == [parts[-1], *parts[:-1]], (asked, parts)
+        source.close()
+
+    first_part.clear()
+    ready: list[int] = []
+    with ThreadPoolExecutor(8) as pool:
+        source = ObjectSource(store, "parts", len(blob), pool)
+        source.expect(items, tail=True)
+        for start, end in items:
+            source.when_ready(start, end, lambda start=start: ready.append(start))
+        later = [s for s, _ in items if s >= source._parts[0].end]
+        for _ in range(300):
+            if sorted(ready) == later:
+                break
+            threading.Event().wait(0.05)
+        assert sorted(ready) == later  # all but the held part's ranges, while it is held
+        first_part.set()
+        for _ in range(300):
+            if len(ready) == len(items):
+                break
+            threading.Event().wait(0.05)
+        assert sorted(ready) == [s for s, _ in items]
+        for start, end in items:
+            buf = bytearray(end - start)
+            assert source.read_into([memoryview(buf)], start) == end - start and bytes(buf) == blob[start:end]
+        source.close()
+
+
 def test_a_base_is_kept_in_the_host_cache_and_read_from_it_next_time(s3: S3Server, reads: dict[str, list]) -> None:
     """load_pretrained of a base on the store: the first load fetches it whole into the host's base cache
     (verified as it streams), the next reads the cached copy -- no data object fetched again; a damaged cached

@@ -357,7 +357,7 @@ def dcp_problems(ckpt_dir: Path, manifest: Manifest, stored: Mapping[str, int] |
     if DCP_METADATA_FILENAME not in manifest.files:
         return [f"{md_path}: torch_dist checkpoint whose manifest does not list DCP metadata"]
     try:
-        metadata = load_dcp_metadata(md_path)
+        metadata = load_dcp_metadata(md_path, hand_on=True)  # a load's reader reads it next
     except UnsafeCheckpointError:
         raise
     except CheckpointError as exc:

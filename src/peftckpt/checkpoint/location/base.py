@@ -171,8 +171,24 @@ class Location(ABC):
         """The names directly inside the location, sorted (empty when it does not exist)."""
 
     @abstractmethod
-    def holds_manifest(self, rel: str = "") -> bool:
-        """Whether ``rel`` holds a manifest (for an ``iter_*`` name: whether that checkpoint is committed)."""
+    def holds_manifest(self, rel: str = "", keep: bool = False) -> bool:
+        """Whether ``rel`` holds a manifest (for an ``iter_*`` name: whether that checkpoint is committed).
+        ``keep``: the caller reads that manifest next (a load resolving its checkpoint); a store reads it now, one
+        GET instead of a HEAD and then a GET, for the read that follows (:meth:`fetched`, :meth:`copy_committed`)."""
+
+    def probe(self, name: str, max_bytes: int, keep: bool = False) -> tuple[bool, bytes | Exception | None]:
+        """What resolving a location asks first: whether it holds a manifest itself (:meth:`holds_manifest`), and the
+        small file ``name`` (:meth:`read_small`: its bytes, ``None`` when absent, or the error reading it raised).
+        On a store both requests are in flight at once (the time of one round trip)."""
+        return self.holds_manifest(keep=keep), self._read_or_error(name, max_bytes)
+
+    def _read_or_error(self, name: str, max_bytes: int) -> bytes | Exception | None:
+        try:
+            return self.read_small(name, max_bytes)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - handed to the caller, which raises it where it matters
+            return e
 
     @abstractmethod
     def read_manifest(self, rel: str = "") -> Manifest:

@@ -32,7 +32,19 @@ from pathlib import Path
 
 from ..errors import CheckpointIntegrityError
 
-__all__ = ["BaseCache", "CAP_ENV", "DEFAULT_CAP_GB"]
+__all__ = ["BaseCache", "CAP_ENV", "DEFAULT_CAP_GB", "CACHE_ENV", "cache_root"]
+
+CACHE_ENV = "PEFTCKPT_CACHE_DIR"
+"""Node-local directory for the spool of saves to, and the copies of loads from, an object store."""
+
+
+def cache_root() -> Path:
+    """``$PEFTCKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/peftckpt``, else ``~/.cache/peftckpt``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).absolute()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base).absolute() / "peftckpt"
+
 
 CAP_ENV = "PEFTCKPT_BASE_CACHE_GB"
 """Size cap of the base cache in GB (decimal); ``0`` keeps only the entry in use."""

@@ -103,7 +103,7 @@ class Directory(Location):
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def holds_manifest(self, rel: str = "") -> bool:
+    def holds_manifest(self, rel: str = "", keep: bool = False) -> bool:
         return (self.path / rel / MANIFEST_FILENAME).is_file()
 
     def read_manifest(self, rel: str = "") -> Manifest:

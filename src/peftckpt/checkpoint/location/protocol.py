@@ -64,13 +64,22 @@ def read_tracker(loc: Location) -> int | None:
         CheckpointFormatError: the tracker exists but is garbled.
     """
     try:
-        data = loc.read_small(TRACKER_FILENAME, _TRACKER_MAX_BYTES)
+        data: bytes | Exception | None = loc.read_small(TRACKER_FILENAME, _TRACKER_MAX_BYTES)
     except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise CheckpointFormatError(f"tracker file {loc.describe(TRACKER_FILENAME)} is garbled: it {exc}; "
+        data = None
+    except Exception as e:  # noqa: BLE001 - said by _tracker_in
+        data = e
+    return _tracker_in(loc, data)
+
+
+def _tracker_in(loc: Location, data: bytes | Exception | None) -> int | None:
+    """The iteration in the tracker ``loc`` read (its bytes, ``None`` when absent, or the error reading it raised)."""
+    if isinstance(data, (OSError, ValueError)) and not isinstance(data, FileNotFoundError):
+        raise CheckpointFormatError(f"tracker file {loc.describe(TRACKER_FILENAME)} is garbled: it {data}; "
                                     f"{_TRACKER_HINT}") from None
-    return parse_tracker(data, loc.describe(TRACKER_FILENAME))
+    if isinstance(data, Exception):
+        raise data
+    return None if data is None else parse_tracker(data, loc.describe(TRACKER_FILENAME))
 
 
 def parse_tracker(data: bytes, source: object) -> int:
@@ -144,9 +153,10 @@ def _own_iteration(loc: Location) -> int:
     return loc.read_manifest().iteration
 
 
-def resolve(loc: Location) -> tuple[str, int]:
+def resolve(loc: Location, keep_manifest: bool = False) -> tuple[str, int]:
     """Find the committed checkpoint that ``loc`` designates: ``(name relative to loc, iteration)``; the name is
-    ``""`` when ``loc`` is a checkpoint itself.
+    ``""`` when ``loc`` is a checkpoint itself. ``keep_manifest``: its manifest is read next (a load, a copy): a
+    store keeps the one it reads to find out (:meth:`Location.holds_manifest`).
 
     ``loc`` is either a checkpoint (holding a manifest) or a save location, resolved by the rule in the module
     docstring.
@@ -157,19 +167,31 @@ def resolve(loc: Location) -> tuple[str, int]:
         CheckpointFormatError: ``loc`` exists but is neither a checkpoint nor a save location, or its tracker
             is garbled.
     """
-    loc.check_readable()
+    try:
+        return _resolved(loc, keep_manifest)
+    except Exception:
+        # Explained only now (on a store a probe is a request of its own): a missing directory or bucket, or
+        # credentials that do not work, said as such rather than as what resolving found without them.
+        loc.check_readable()
+        raise
+
+
+def _resolved(loc: Location, keep_manifest: bool) -> tuple[str, int]:
+    """:func:`resolve`, the location not probed first."""
     is_staging = loc.name.startswith(STAGING_PREFIX)  # complete or not, staging is never committed
-    if not is_staging and loc.holds_manifest():
+    # Whether the location is a checkpoint itself, and its tracker: both asked at once (one round trip on a store).
+    own, tracker = loc.probe(TRACKER_FILENAME, _TRACKER_MAX_BYTES, keep=keep_manifest and not is_staging)
+    if own and not is_staging:
         return "", _own_iteration(loc)
     if parse_iteration_dirname(loc.name) is not None or is_staging:
         why = "it is the staging directory of a save" if is_staging else f"it has no {MANIFEST_FILENAME}"
         raise CheckpointNotFoundError(
             f"{loc.text} is not a committed checkpoint ({why}): a save was interrupted before its commit; "
             f"load the save directory {loc.parent} to get the last committed one")
-    tracked = read_tracker(loc)
-    if tracked is not None and loc.holds_manifest(iteration_dirname(tracked)):
+    tracked = _tracker_in(loc, tracker)
+    if tracked is not None and loc.holds_manifest(iteration_dirname(tracked), keep=keep_manifest):
         # The common case, decided without listing the location: every rank resolves a load, and on a store a
-        # listing per rank would grow the job's LIST requests with its size.
+        # listing per rank would grow the job's LIST requests with its size. (The manifest is kept for the load.)
         return iteration_dirname(tracked), tracked
     names = loc.names()
     committed = _committed(loc, names)
@@ -220,7 +242,7 @@ def reading(loc: Location, comm: Collectives, cache: bool = False, verify_first:
     def resolved_here() -> tuple[str, int]:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            found = resolve(loc)
+            found = resolve(loc, keep_manifest=True)
         for w in said:
             warnings.warn(w.message, w.category, stacklevel=5)
         return found
@@ -234,7 +256,7 @@ def committed_copy(loc: Location, data: bool = True) -> CommittedCopy:
     """For the one-process tools: the committed checkpoint ``loc`` designates (:func:`resolve`), as a local
     directory (on a store: fetched, every object verified as it arrives -- ``data=False``: the data objects only
     hashed as they stream; see :meth:`Location.copy_committed`)."""
-    return loc.copy_committed(*resolve(loc), data=data)
+    return loc.copy_committed(*resolve(loc, keep_manifest=True), data=data)
 
 
 def claim(loc: Location, name: str) -> None:

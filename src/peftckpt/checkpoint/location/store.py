@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import secrets
 import shutil
 import socket
@@ -45,16 +44,16 @@ from ..faults import fault_point
 from ..storage.checkpoint_files import CheckpointFiles
 from ..storage.checksums import StreamTo, is_data_file
 from ..storage.formats import storage_format
-from ..storage.manifest import Manifest
+from ..storage.manifest import MANIFEST_MAX_BYTES, Manifest
 from ..storage.object_ranges import ObjectSource
 from ..storage.object_store import ObjectStore, store_error
 from . import protocol
 from .base import CommittedCopy, Held, Location, SaveTarget
-from .base_cache import BaseCache
+from .base_cache import CACHE_ENV, BaseCache, cache_root
 from .dir_lock import acquire_save_lock
 from .directory import Directory
 from .names import MANIFEST_FILENAME, STAGING_PREFIX, iteration_dirname
-from .store_fetch import fetch_files, listed_problems, read_listed, read_remote_manifest
+from .store_fetch import fetch_files, listed_problems, read_listed, read_remote_manifest, renamed_error
 from .store_foreign import cached_foreign
 from .store_lease import acquire_remote_lock, check_lease
 from .store_reads import StoreFiles, shared_pool
@@ -64,25 +63,6 @@ if TYPE_CHECKING:
     from ..collectives import Collectives
 
 __all__ = ["CACHE_ENV", "cache_root", "StorePrefix", "renamed_error", "clean_uncommitted"]
-
-CACHE_ENV = "PEFTCKPT_CACHE_DIR"
-"""Node-local directory for the spool of saves to, and the copies of loads from, an object store."""
-
-
-def cache_root() -> Path:
-    """``$PEFTCKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/peftckpt``, else ``~/.cache/peftckpt``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).absolute()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base).absolute() / "peftckpt"
-
-
-def renamed_error(e: BaseException, local: Path, url: str) -> BaseException:
-    """``e`` with the local copy's path in its message replaced by the URL it came from."""
-    if isinstance(e, CheckpointError) and e.args and isinstance(e.args[0], str) and str(local) in e.args[0]:
-        e.args = (e.args[0].replace(str(local), url), *e.args[1:])
-    return e
-
 
 class StorePrefix(Location):
     """A save location or a checkpoint on an object store. Every store failure is one
@@ -95,6 +75,8 @@ class StorePrefix(Location):
     def __init__(self, store: ObjectStore | str):
         self.store = store if isinstance(store, ObjectStore) else ObjectStore(store)
         self.text = self.store.url
+        self._kept: tuple[str, bytes] | None = None
+        """The manifest :meth:`holds_manifest` read for the read that follows (its checkpoint, its bytes)."""
 
     @contextlib.contextmanager
     def _failing(self, rel: str, what: str) -> Iterator[None]:
@@ -161,10 +143,30 @@ class StorePrefix(Location):
         with self._failing("", "the save location"):
             return self.store.children()
 
-    def holds_manifest(self, rel: str = "") -> bool:
+    def holds_manifest(self, rel: str = "", keep: bool = False) -> bool:
         where = f"{rel}/{MANIFEST_FILENAME}" if rel else MANIFEST_FILENAME
         with self._failing(where, "the manifest"):
-            return self.store.exists(where)
+            if not keep:
+                return self.store.exists(where)
+            try:
+                self._kept = (rel, self.store.read_bytes(where, MANIFEST_MAX_BYTES))
+            except FileNotFoundError:
+                return False
+            except ValueError:  # too large: there all the same (its read says why it is refused)
+                pass
+            return True
+
+    def _kept_manifest(self, rel: str) -> bytes | None:
+        """The manifest of ``rel`` that :meth:`holds_manifest` just read (once), if it did."""
+        kept, self._kept = self._kept, None
+        return kept[1] if kept is not None and kept[0] == rel else None
+
+    def probe(self, name: str, max_bytes: int, keep: bool = False) -> tuple[bool, bytes | Exception | None]:
+        read = shared_pool().submit(self._read_or_error, name, max_bytes)
+        try:
+            return self.holds_manifest(keep=keep), read.result()
+        finally:
+            read.cancel()
 
     def read_manifest(self, rel: str = "") -> Manifest:
         return read_remote_manifest(self.store, rel)[0]
@@ -295,7 +297,7 @@ class StorePrefix(Location):
         url = self.store.url_of(rel)
 
         def listed_manifest() -> tuple[str, bytes, tuple[dict[str, int], dict[str, str]]]:
-            _, data, listed = read_listed(self.store, rel)
+            _, data, listed = read_listed(self.store, rel, self._kept_manifest(rel))
             return secrets.token_hex(6), data, listed
 
         token, data, listed = comm.first_answers(listed_manifest)  # 1.
@@ -366,7 +368,7 @@ class StorePrefix(Location):
         :meth:`CommittedCopy.release`, or when the process exits."""
         local = cache_root() / "fetch" / secrets.token_hex(6) / iteration_dirname(iteration)
         atexit.register(shutil.rmtree, local.parent, True)
-        manifest, data_bytes, listed = read_listed(self.store, rel)
+        manifest, data_bytes, listed = read_listed(self.store, rel, self._kept_manifest(rel))
         problems = fetch_files(self.store, rel, manifest, local, listed, only=None if data else
                                (lambda name: not is_data_file(name)))
         if not data:  # (the listing's problems, said by both calls, once)

@@ -18,17 +18,24 @@ from peftckpt.checkpoint.storage.checksums import new_digest
 from peftckpt.checkpoint.storage.manifest import MANIFEST_MAX_BYTES, Manifest
 from peftckpt.checkpoint.storage.object_store import ObjectStore, store_error
 
-__all__ = ["read_remote_manifest", "read_listed", "list_checked", "listed_problems", "fetch_one", "fetch_files"]
+__all__ = ["renamed_error", "read_remote_manifest", "read_listed", "list_checked", "listed_problems", "fetch_one", "fetch_files"]
 
 _TRANSFER_THREADS = 8
 
 
-def read_remote_manifest(store: ObjectStore, rel: str) -> tuple[Manifest, bytes]:
-    """The manifest of the checkpoint ``rel`` of ``store`` (and its bytes)."""
+def renamed_error(e: BaseException, local: Path, url: str) -> BaseException:
+    """``e`` with the local copy's path in its message replaced by the URL it came from."""
+    if isinstance(e, CheckpointError) and e.args and isinstance(e.args[0], str) and str(local) in e.args[0]:
+        e.args = (e.args[0].replace(str(local), url), *e.args[1:])
+    return e
+
+
+def read_remote_manifest(store: ObjectStore, rel: str, data: bytes | None = None) -> tuple[Manifest, bytes]:
+    """The manifest of the checkpoint ``rel`` of ``store`` (and its bytes; ``data``: the bytes, already read)."""
     where = f"{rel}/{MANIFEST_FILENAME}" if rel else MANIFEST_FILENAME
     url = store.url_of(where)
     try:
-        data = store.read_bytes(where, MANIFEST_MAX_BYTES)
+        data = store.read_bytes(where, MANIFEST_MAX_BYTES) if data is None else data
     except FileNotFoundError:
         raise CheckpointFormatError(f"{store.url_of(rel)} is not a committed peftckpt checkpoint: it has no "
                                     f"{MANIFEST_FILENAME}") from None
@@ -39,9 +46,13 @@ def read_remote_manifest(store: ObjectStore, rel: str) -> tuple[Manifest, bytes]
     return Manifest.from_json(data, url), data  # type: ignore[arg-type]
 
 
-def read_listed(store: ObjectStore, rel: str) -> tuple[Manifest, bytes, tuple[dict[str, int], dict[str, str]]]:
+def read_listed(store: ObjectStore, rel: str, data: bytes | None = None
+                ) -> tuple[Manifest, bytes, tuple[dict[str, int], dict[str, str]]]:
     """The manifest of the checkpoint ``rel`` (and its bytes) and :func:`list_checked`'s answer, the LIST sent
-    while the manifest is read: two requests in the time of one."""
+    while the manifest is read: two requests in the time of one (``data``: the manifest's bytes, already read)."""
+    if data is not None:
+        manifest, data = read_remote_manifest(store, rel, data)
+        return manifest, data, list_checked(store, rel, manifest)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-list") as pool:
         listing = pool.submit(store.list_files, rel)
         manifest, data = read_remote_manifest(store, rel)

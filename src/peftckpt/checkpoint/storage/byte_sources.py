@@ -5,19 +5,22 @@ of one data file: first its tail (the block index, :mod:`~peftckpt.checkpoint.st
 of the items it needs. :class:`FileSource` answers with ``preadv`` straight into the destination's memory;
 :class:`~peftckpt.checkpoint.storage.object_ranges.ObjectSource` with ranged GETs. A source is told the ranges it
 will be asked for (:meth:`ByteSource.expect`) before the reads start, so a store can fetch them ahead, merged into
-few requests.
+few requests; each read starts once its bytes are there (:func:`read_when_ready`), in whatever order they arrive.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from .preads import read_exactly
 
-__all__ = ["ByteSource", "FileSource", "merge_ranges"]
+__all__ = ["ByteSource", "FileSource", "merge_ranges", "read_when_ready"]
+
+T = TypeVar("T")
 
 
 class ByteSource(Protocol):
@@ -41,6 +44,11 @@ class ByteSource(Protocol):
         them are still answered); ``tail``: the file's block index at its end will be read too, first."""
         ...
 
+    def when_ready(self, start: int, end: int, then: Callable[[], None]) -> None:
+        """Call ``then()`` once ``[start, end)`` can be read without waiting for the bytes fetched ahead (at once
+        where nothing is fetched ahead), so that a reader reads what has arrived first."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -61,6 +69,9 @@ class FileSource:
 
     def expect(self, ranges: Sequence[tuple[int, int]], tail: bool = False) -> None:
         pass
+
+    def when_ready(self, start: int, end: int, then: Callable[[], None]) -> None:
+        then()
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -85,4 +96,27 @@ def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int, longest: int) -> l
         pieces = -(-(end - start) // longest)
         step = -(-(end - start) // pieces)
         out.extend((s, min(s + step, end)) for s in range(start, end, step))
+    return out
+
+
+def read_when_ready(pool: ThreadPoolExecutor, source: ByteSource, span: tuple[int, int], read: Callable[..., T],
+                    *args: Any) -> Future[T]:
+    """``read(*args)`` on ``pool`` once ``source`` holds the bytes of ``span`` (:meth:`ByteSource.when_ready`):
+    the future of its result."""
+    out: Future[T] = Future()
+
+    def done(job: Future[T]) -> None:
+        error = job.exception()
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(job.result())
+
+    def start() -> None:
+        try:
+            pool.submit(read, *args).add_done_callback(done)
+        except RuntimeError as e:  # the pool is shut down: the load stopped on an error raised elsewhere
+            out.set_exception(e)
+
+    source.when_ready(span[0], span[1], start)
     return out

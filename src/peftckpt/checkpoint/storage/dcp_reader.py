@@ -38,7 +38,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future as PoolFuture
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.futures import Future
 
-from .byte_sources import ByteSource, FileSource
+from .byte_sources import ByteSource, FileSource, read_when_ready
 from .framing import (
     BLOCK_BYTES,
     INDEX_ALGORITHM,
@@ -177,17 +177,21 @@ class RangedFileSystemReader(SafeFileSystemReader):
                                      f"{list(info.transform_descriptors)}, which are read from local files only")
                 self._load_record(item, self._read_exact(source, item, info.offset, info.length), planner, safe)
             elif item.type == LoadItemType.BYTE_IO:
-                jobs.append((item, pool.submit(self._read_whole, source, item, entry)))
+                jobs.append((item, read_when_ready(pool, source, self._range(item, entry), self._read_whole, source, item,
+                                               entry)))
             elif entry.data_length == 0 and entry.data_offset == entry.offset + entry.length:
                 # a tensor torch.save framed (too large, or an unusual dtype): whole, one at a time
                 self._load_record(item, self._read_whole(source, item, entry), planner, safe)
             else:
                 target = planner.resolve_tensor(item).detach()
                 if self._direct(item, entry, target):
-                    jobs.append((item, pool.submit(self._read_tensor, source, item, entry, target)))
+                    jobs.append((item, read_when_ready(pool, source, self._range(item, entry), self._read_tensor, source,
+                                                   item, entry, target)))
                 else:  # through a buffer the size of the span: one at a time bounds the memory
                     planner.commit_tensor(item, self._read_tensor(source, item, entry, target))
-        for item, job in jobs:  # the planner is told in order, on this thread
+        items_of = {job: item for item, job in jobs}
+        for job in as_completed(items_of):  # the planner is told on this thread, as the reads finish: they start
+            item = items_of[job]            # as their bytes arrive (a store's parts come in any order)
             value = job.result()
             if value is None:  # damaged (reported): nothing of it is parsed
                 continue

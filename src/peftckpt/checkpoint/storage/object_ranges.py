@@ -6,14 +6,15 @@ object store. Steps of a load's reads from one object:
 1. The tail (the block index and its footer) comes in one ranged GET of the last :data:`TAIL_BYTES` (a second
    GET only for a larger index), kept for the reads that follow -- unless the reader said beforehand that it
    reads up to the tail anyway (step 2 with ``tail``: a rank reading whole items, e.g. a resume at the same
-   layout): then the tail is the end of the last part, and the load makes one request fewer per object, the
-   one that every other request waited for.
+   layout): then the tail is the end of the last part, which is fetched first (every read waits for the index),
+   and the load makes one request fewer per object, the one that every other request waited for.
 2. The reader tells the source every range it will read (:meth:`ObjectSource.expect`): they are merged where
    they lie at most :data:`GAP_BYTES` apart (the bytes wasted by a merge are bounded; a resume reads one run per
    file) and cut into parts of at most :data:`PART_BYTES`, each one ranged GET.
 3. Parts are fetched on the shared pool ahead of the reader, at most :data:`AHEAD_BYTES` fetched and not yet
    consumed (a part the reader is waiting for is always fetched), so a rank holds a bounded window of the
-   object, never the object.
+   object, never the object. They come back in any order; :meth:`ObjectSource.when_ready` lets the reader read
+   each range as soon as its parts are there.
 4. Each read copies its bytes out of the parts into the destination (the one copy an HTTP body allows) and
    releases a part once every expected byte of it was read. A range outside the expected ones is fetched at
    once, in parts in parallel where it is larger than one.
@@ -26,9 +27,10 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 from .byte_sources import merge_ranges
 from .object_store import ObjectStore
@@ -102,11 +104,13 @@ class ObjectSource:
         window (else step 1 fetches it on its own)."""
         below = self.size if self._tail is None else self._tail[0]  # what the kept tail holds is not fetched again
         ranges = [(max(0, s), min(e, below)) for s, e in ranges]
+        folded = False
         if tail and self._tail is None and ranges:
             last = max(e for _, e in ranges)
             wanted = sum(e - s for s, e in ranges)
             if 0 < self.size - last <= max(TAIL_BYTES, wanted // 50) and wanted + self.size - last <= AHEAD_BYTES:
                 ranges.append((last, self.size))
+                folded = True
         with self._lock:
             self._parts = [_Part(s, e, 0) for s, e in merge_ranges(ranges, GAP_BYTES, PART_BYTES)]
             self._starts = [p.start for p in self._parts]
@@ -117,17 +121,49 @@ class ObjectSource:
                     p.left += max(0, min(end, p.end) - max(start, p.start))
                     i += 1
             self._next = self._held = 0
+            if folded:  # the part holding the index first: every read waits for the index (all parts fit the window)
+                self._submit(self._parts[-1])
             self._admit(-1)
+
+    def _submit(self, p: _Part) -> None:
+        """Start fetching the part ``p`` (under the lock)."""
+        p.data = self._pool.submit(self._get, p.start, p.end)
+        self._held += p.end - p.start
 
     def _admit(self, upto: int) -> None:
         """Step 3 (under the lock): submit the parts up to ``upto``, and more while the window has room."""
         while self._next < len(self._parts) and (
-                self._next <= upto or self._held + self._parts[self._next].end - self._parts[self._next].start
-                <= AHEAD_BYTES):
+                self._next <= upto or self._parts[self._next].data is not None or
+                self._held + self._parts[self._next].end - self._parts[self._next].start <= AHEAD_BYTES):
             p = self._parts[self._next]
-            p.data = self._pool.submit(self._get, p.start, p.end)
-            self._held += p.end - p.start
+            if p.data is None:  # (the index's part may have gone first)
+                self._submit(p)
             self._next += 1
+
+    def when_ready(self, start: int, end: int, then: Callable[[], None]) -> None:
+        """Call ``then()`` once the parts covering ``[start, end)`` are fetched (on the thread that fetched the last
+        of them), or at once where a part is not in flight yet (outside the window) or none covers the range: the
+        read then waits, and fetches, itself. Parts arrive in any order; a reader told this reads them as they do."""
+        tail = self._tail
+        split = max(start, min(end, tail[0])) if tail is not None else end  # [split, end) lies in the kept tail
+        covering = self._covering(start, split) if split > start else []
+        with self._lock:
+            futures = [self._parts[i].data for i in covering or ()]
+        if not covering or any(f is None for f in futures):
+            then()
+            return
+        left = [len(futures)]
+        guard = threading.Lock()
+
+        def arrived(_: object) -> None:
+            with guard:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                then()
+
+        for f in futures:
+            cast("Future[bytes]", f).add_done_callback(arrived)
 
     # ------------------------------------------------------------------------------------------ reading
     def read(self, nbytes: int, offset: int) -> bytes:

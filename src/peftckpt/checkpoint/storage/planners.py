@@ -79,6 +79,11 @@ class EntryLoadPlanner(DefaultLoadPlanner):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
+    def set_object(self, read_item: ReadItem, obj: Any) -> None:
+        """An object item, already loaded (safely, by the reader): what ``load_bytes`` would set, without
+        serialising it again to hand it over."""
+        self.state_dict[read_item.dest_index.fqn] = obj
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict.get(index.fqn)
         if isinstance(obj, GlobalTensor):

@@ -105,6 +105,8 @@ class RestrictedUnpickler(pickle.Unpickler):
 _SCANNED: dict[str, None] = {}
 """The XXH3-128 of the last few metadata files whose opcodes passed the scan (insertion-ordered: oldest first)."""
 _SCANNED_MAX = 16
+_HANDED_ON: dict[str, tuple[str, Metadata]] = {}
+"""The metadata a ``hand_on`` load of :func:`load_dcp_metadata` keeps, by path: the digest of its bytes, the object."""
 
 METADATA_MAX_BYTES = 256 << 20
 """Largest ``.metadata`` read (a 70B model's, sharded over 64 ranks with optimizer state, is tens of MB)."""
@@ -134,11 +136,14 @@ def _scan_opcodes(data: bytes, source: str | os.PathLike[str]) -> None:
         raise CheckpointFormatError(f"DCP metadata file {source} is corrupt: {type(exc).__name__}: {exc}") from exc
 
 
-def load_dcp_metadata(path: str | os.PathLike[str], max_bytes: int | None = None) -> Metadata:
+def load_dcp_metadata(path: str | os.PathLike[str], max_bytes: int | None = None, hand_on: bool = False,
+                      handed: bool = False) -> Metadata:
     """Load a DCP ``.metadata`` pickle through :class:`RestrictedUnpickler`.
 
     The file must be a regular file of at most ``max_bytes`` (default :data:`METADATA_MAX_BYTES`); its
-    opcodes are scanned first (see the module docstring).
+    opcodes are scanned first (see the module docstring). ``hand_on``: the metadata is kept for the next call
+    with ``handed`` that reads the same bytes from the same path (a load's integrity check, then its reader: one
+    unpickling, not two); it is handed on once, so each load still unpickles its checkpoint's metadata.
 
     Raises:
         UnsafeCheckpointError: the pickle refers to a class outside the admitted set.
@@ -152,6 +157,9 @@ def load_dcp_metadata(path: str | os.PathLike[str], max_bytes: int | None = None
     except (OSError, ValueError) as exc:
         raise CheckpointFormatError(f"DCP metadata file {path} cannot be read: {exc}") from exc
     key = xxhash.xxh3_128_hexdigest(data)
+    kept = _HANDED_ON.pop(str(path), None) if handed else None
+    if kept is not None and kept[0] == key:
+        return kept[1]
     if key not in _SCANNED:  # the same bytes scanned before need no second scan (a load reads .metadata 2-3 times)
         _scan_opcodes(data, path)
     try:
@@ -170,6 +178,9 @@ def load_dcp_metadata(path: str | os.PathLike[str], max_bytes: int | None = None
     if len(_SCANNED) >= _SCANNED_MAX:
         _SCANNED.pop(next(iter(_SCANNED)))
     _SCANNED[key] = None
+    if hand_on:
+        _HANDED_ON.clear()  # one at a time: a kept one that nobody took is dropped here
+        _HANDED_ON[str(path)] = (key, obj)
     return obj
 
 
@@ -200,7 +211,11 @@ class _SafeBytesPlanner:
                 f"non-tensor item {where} cannot be loaded with torch.load(weights_only=True), so it is "
                 f"refused (it could run code): {reason}"
             ) from exc
-        # The planner unpickles without restriction; hand it our own serialisation of a safe object.
+        set_object = getattr(self._planner, "set_object", None)
+        if set_object is not None:  # a planner of ours takes the object as loaded (planners.EntryLoadPlanner)
+            set_object(read_item, obj)
+            return
+        # A stock planner unpickles without restriction; hand it our own serialisation of a safe object.
         safe = io.BytesIO()
         torch.save(obj, safe)
         safe.seek(0)
@@ -229,7 +244,7 @@ class SafeFileSystemReader(FileSystemReader):
         key = (str(path), self.load_id)
         if self._metadata_read is not None and self._metadata_read[0] == key:
             return self._metadata_read[1]
-        metadata = load_dcp_metadata(path)
+        metadata = load_dcp_metadata(path, handed=True)
         stored = getattr(metadata, "storage_meta", None)
         metadata.storage_meta = StorageMeta() if stored is None else copy.copy(stored)  # this reader's own
         cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
