@@ -30,6 +30,8 @@ class ByteSource(Protocol):
     """The file as messages name it: its path, or its URL."""
     size: int
     """Its size in bytes."""
+    fetches_ahead: bool
+    """Whether it fetches expected ranges ahead, in parts that arrive in any order (:meth:`when_ready`)."""
 
     def read_into(self, views: Sequence[memoryview], offset: int) -> int:
         """Fill ``views`` with the bytes from ``offset`` on; returns the bytes read (fewer only at the end)."""
@@ -55,6 +57,8 @@ class ByteSource(Protocol):
 class FileSource:
     """A local file: positional reads straight into the caller's memory (the GIL released while the kernel
     copies); nothing is fetched ahead (the page cache and the kernel's read-ahead do that)."""
+
+    fetches_ahead = False
 
     def __init__(self, path: Path) -> None:
         self.name = str(path)
@@ -101,8 +105,10 @@ def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int, longest: int) -> l
 
 def read_when_ready(pool: ThreadPoolExecutor, source: ByteSource, span: tuple[int, int], read: Callable[..., T],
                     *args: Any) -> Future[T]:
-    """``read(*args)`` on ``pool`` once ``source`` holds the bytes of ``span`` (:meth:`ByteSource.when_ready`):
-    the future of its result."""
+    """``read(*args)`` on ``pool`` once ``source`` holds the bytes of ``span`` (:meth:`ByteSource.when_ready`; at
+    once where it fetches nothing ahead): the future of its result."""
+    if not source.fetches_ahead:
+        return pool.submit(read, *args)
     out: Future[T] = Future()
 
     def done(job: Future[T]) -> None:

@@ -16,18 +16,19 @@ file (:mod:`~peftckpt.checkpoint.storage.framing`):
    whole-file checksums were.
 
 Nothing read is dropped from the page cache: the other TP ranks read the same rows of a column split, and DP
-replicas the same pieces, at about the same time (dropping them made the ranks read 1.25x the base from the
-disk); pages read once are the kernel's first to evict anyway. Several direct reads are in flight at once (a
-small thread pool; ``preadv`` releases the GIL); reads through a buffer run one at a time, so a load holds at most
-one such buffer (the span of one stored tensor). Objects are read whole and go through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a block
-index (stock DCP's, earlier peftckpt's), items the index does not list, and a file whose index is damaged
+replicas the same pieces, at about the same time (dropping them made the ranks read 1.25x the base from the disk).
+Several direct reads are in flight at once (a small thread pool; ``preadv`` releases the GIL); reads through a
+buffer run one at a time, so a load holds at most one such buffer (the span of one stored tensor). Objects are read
+whole and go through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a
+block index (stock DCP's, earlier peftckpt's), items the index does not list, and a file whose index is damaged
 (reported, when verifying) are read by the stock path -- or, for files that are not local, by the byte range the
 ``.metadata`` records for each item, loaded with ``torch.load(weights_only=True)``.
 
 Each data file is read through a :class:`~peftckpt.checkpoint.storage.byte_sources.ByteSource`: the local file
-(``preadv`` as above), or -- ``sources`` given -- an object on a store read by ranged GETs, which is told the ranges
-of the file's items first so that it fetches them ahead, merged into few requests. Reads stay inside the recorded sizes: an index entry must
-lie inside its file and agree with the ``.metadata``'s item and chunk, or the stock path reads that item.
+(``preadv`` as above), or -- ``sources`` given -- an object on a store read by ranged GETs, told the ranges of the
+file's items first so that it fetches them ahead in few requests; each read starts once its bytes have arrived.
+Reads stay inside the recorded sizes: an index entry must lie inside its file and agree with the ``.metadata``'s
+item and chunk, or the stock path reads that item.
 """
 
 from __future__ import annotations
@@ -163,11 +164,13 @@ class RangedFileSystemReader(SafeFileSystemReader):
         if index is None and self._sources is not None and self.verify and len(self.problems) == damaged:
             self.unindexed.append(rel)
         entries = [self._entry(index, item) for item in items]
-        if self._sources is not None and whole is None:  # a local file reads on demand: nothing to plan
-            source.expect([self._range(item, entry) for item, entry in zip(items, entries)])
+        spans = whole or [(0, 0)] * len(items)  # what each read covers (a store's; a local file reads on demand)
+        if self._sources is not None and whole is None:
+            spans = [self._range(item, entry) for item, entry in zip(items, entries)]
+            source.expect(spans)
         stock: list[ReadItem] = []
         jobs: list[tuple[ReadItem, PoolFuture[Any]]] = []
-        for item, entry in zip(items, entries):
+        for item, entry, span in zip(items, entries, spans):
             if entry is None and self._sources is None:
                 stock.append(item)
             elif entry is None:  # not indexed, on a store: the item's stored bytes, loaded safely
@@ -177,21 +180,21 @@ class RangedFileSystemReader(SafeFileSystemReader):
                                      f"{list(info.transform_descriptors)}, which are read from local files only")
                 self._load_record(item, self._read_exact(source, item, info.offset, info.length), planner, safe)
             elif item.type == LoadItemType.BYTE_IO:
-                jobs.append((item, read_when_ready(pool, source, self._range(item, entry), self._read_whole, source, item,
-                                               entry)))
+                jobs.append((item, read_when_ready(pool, source, span, self._read_whole, source, item, entry)))
             elif entry.data_length == 0 and entry.data_offset == entry.offset + entry.length:
                 # a tensor torch.save framed (too large, or an unusual dtype): whole, one at a time
                 self._load_record(item, self._read_whole(source, item, entry), planner, safe)
             else:
                 target = planner.resolve_tensor(item).detach()
                 if self._direct(item, entry, target):
-                    jobs.append((item, read_when_ready(pool, source, self._range(item, entry), self._read_tensor, source,
-                                                   item, entry, target)))
+                    jobs.append((item, read_when_ready(pool, source, span, self._read_tensor, source, item, entry,
+                                                       target)))
                 else:  # through a buffer the size of the span: one at a time bounds the memory
                     planner.commit_tensor(item, self._read_tensor(source, item, entry, target))
         items_of = {job: item for item, job in jobs}
-        for job in as_completed(items_of):  # the planner is told on this thread, as the reads finish: they start
-            item = items_of[job]            # as their bytes arrive (a store's parts come in any order)
+        # The planner is told on this thread: in order, or from a store (parts arrive in any order) as reads finish.
+        for job in as_completed(items_of) if source.fetches_ahead else items_of:
+            item = items_of[job]
             value = job.result()
             if value is None:  # damaged (reported): nothing of it is parsed
                 continue

@@ -61,6 +61,8 @@ class ObjectSource:
     """The object ``rel`` of ``store`` (``size`` bytes as listed), read by ranged GETs on ``pool`` (module
     docstring). :attr:`fetched` counts the bytes its GETs returned."""
 
+    fetches_ahead = True
+
     def __init__(self, store: ObjectStore, rel: str, size: int, pool: ThreadPoolExecutor) -> None:
         self.name = store.url_of(rel)
         self.size = size
