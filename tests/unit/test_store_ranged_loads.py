@@ -234,6 +234,47 @@ def test_the_index_part_goes_first_and_reads_start_as_their_parts_arrive(s3: S3S
         source.close()
 
 
+def test_the_offline_tools_read_a_stores_data_objects_in_place(s3: S3Server, reads: dict[str, list],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """open_checkpoint (export-hf, export-peft, import-peft --base) of a checkpoint on a store: its small files
+    fetched and verified, its data objects read where they lie, by ranges, verified as they are read -- damage is
+    named by URL, in an object written without a block index too (hashed whole, once)."""
+    from peftckpt.checkpoint.storage import dcp_writer
+    from peftckpt.checkpoint.tools.offline import open_checkpoint
+
+    source, model = _checkpointer(0)
+    url = s3.url("ranged/offline")
+    source.save(url, 1)
+    ckpt = open_checkpoint(url)
+    assert ckpt.where == f"{url}/iter_0000001" and ckpt.files is not None
+    assert not list(ckpt.path.glob("*.distcp"))  # nothing of the data objects on local disk
+    tensors = ckpt.model_tensors()
+    for name, value in model.state_dict().items():
+        assert torch.equal(tensors[name], value), name
+    assert not any(rel.endswith(".distcp") for rel in reads["downloaded"]), reads["downloaded"]
+    assert 0 < ckpt.files.bytes_fetched < _data_size(s3, "ranged/offline")  # the model's tensors: no Adam state
+    s3.flip_byte("ranged/offline/iter_0000001/__0_0.distcp", offset=100_000)  # in the first model weight
+    with pytest.raises(CheckpointError, match=f"{url}/iter_0000001/__0_0.distcp: xxh3_64 checksum mismatch"):
+        open_checkpoint(url).model_tensors()
+
+    old = s3.url("ranged/offline-old")
+    with monkeypatch.context() as m:  # written as an earlier release did: no block index
+        m.setattr(dcp_writer, "tensor_record", lambda tensor: None)
+        m.setattr(dcp_writer, "encode_index", lambda items: b"")
+        source.save(old, 1)
+    hashed = []
+    checksum_problems = store_reads.StoreFiles.checksum_problems
+    monkeypatch.setattr(store_reads.StoreFiles, "checksum_problems",
+                        lambda self, manifest, rels: hashed.extend(rels) or checksum_problems(self, manifest, rels))
+    ckpt = open_checkpoint(old)
+    for name, value in model.state_dict().items():
+        assert torch.equal(ckpt.model_tensors([name])[name], value), name
+    assert hashed == ["__0_0.distcp"]  # once, however many reads
+    s3.flip_byte("ranged/offline-old/iter_0000001/__0_0.distcp", offset=1000)
+    with pytest.raises(CheckpointError, match=f"{old}/iter_0000001/__0_0.distcp: xxh3_128 checksum mismatch"):
+        open_checkpoint(old).model_tensors()
+
+
 def test_a_base_is_kept_in_the_host_cache_and_read_from_it_next_time(s3: S3Server, reads: dict[str, list]) -> None:
     """load_pretrained of a base on the store: the first load fetches it whole into the host's base cache
     (verified as it streams), the next reads the cached copy -- no data object fetched again; a damaged cached

@@ -157,7 +157,7 @@ def _config_of(base: HFModelDir | OfflineCheckpoint) -> GPTConfig:
 def checked_config(ckpt: OfflineCheckpoint) -> GPTConfig:
     """The architecture of a checkpoint's manifest, once it is held to the tensors the checkpoint stores (a
     manifest claiming a bigger model is refused before anything is sized by it)."""
-    checked_manifest(ckpt.path)
+    checked_manifest(ckpt.path if ckpt.files is None else ckpt.where)  # (a store's data objects stay there)
     try:
         return GPTConfig.from_dict(ckpt.manifest.model_config)
     except (TypeError, ValueError) as e:

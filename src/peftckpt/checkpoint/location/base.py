@@ -66,8 +66,11 @@ class CommittedCopy:
     fetched_into: Path | None = None
     """The directory a fetched copy was made in, deleted by :meth:`release` (``None``: nothing to delete)."""
     listed: dict[str, int] | None = None
-    """The sizes of the data files left where they lie (hashed as they streamed, not copied: ``data=False``), by
-    name; ``None``: every file is under :attr:`local`."""
+    """The sizes of the data files left where they lie (hashed as they streamed, not copied: ``data=False``; or
+    read in place: :attr:`files`), by name; ``None``: every file is under :attr:`local`."""
+    files: CheckpointFiles | None = None
+    """Where the tool reads the data files it left where they lie (``in_place``): a store's objects, by ranges,
+    verified by their block index as they are read."""
 
     def release(self) -> None:
         """Delete a fetched copy now (one verified checkpoint after another need not pile up until exit)."""
@@ -313,10 +316,11 @@ class Location(ABC):
         yield self, None
 
     @abstractmethod
-    def copy_committed(self, rel: str, iteration: int, data: bool = True) -> CommittedCopy:
+    def copy_committed(self, rel: str, iteration: int, data: bool = True, in_place: bool = False) -> CommittedCopy:
         """For the one-process tools: the committed checkpoint ``rel`` (resolved by
         :func:`~.protocol.committed_copy`) as a local directory (``data=False``: a tool that only verifies -- a
-        store's data objects are hashed as they stream, not copied)."""
+        store's data objects are hashed as they stream, not copied; ``in_place``: a tool that reads tensors -- a
+        store's data objects are read where they lie, :attr:`CommittedCopy.files`)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.text!r})"

@@ -207,7 +207,7 @@ class Directory(Location):
                 child.unlink()
 
     # ---------------------------------------------------------------------------------------- loads
-    def copy_committed(self, rel: str, iteration: int, data: bool = True) -> CommittedCopy:
+    def copy_committed(self, rel: str, iteration: int, data: bool = True, in_place: bool = False) -> CommittedCopy:
         ckpt = self.ref(rel)
         return CommittedCopy(ckpt, str(ckpt), iteration)
 

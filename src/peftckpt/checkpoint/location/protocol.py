@@ -252,11 +252,11 @@ def reading(loc: Location, comm: Collectives, cache: bool = False, verify_first:
         yield files
 
 
-def committed_copy(loc: Location, data: bool = True) -> CommittedCopy:
+def committed_copy(loc: Location, data: bool = True, in_place: bool = False) -> CommittedCopy:
     """For the one-process tools: the committed checkpoint ``loc`` designates (:func:`resolve`), as a local
     directory (on a store: fetched, every object verified as it arrives -- ``data=False``: the data objects only
-    hashed as they stream; see :meth:`Location.copy_committed`)."""
-    return loc.copy_committed(*resolve(loc, keep_manifest=True), data=data)
+    hashed as they stream; ``in_place``: read where they lie; see :meth:`Location.copy_committed`)."""
+    return loc.copy_committed(*resolve(loc, keep_manifest=True), data=data, in_place=in_place)
 
 
 def claim(loc: Location, name: str) -> None:

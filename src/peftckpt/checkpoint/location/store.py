@@ -362,21 +362,23 @@ class StorePrefix(Location):
         with cached_foreign(self.store, comm, wanted, BaseCache(cache_root() / "bases")) as (local, hit):
             yield Directory(local), hit
 
-    def copy_committed(self, rel: str, iteration: int, data: bool = True) -> CommittedCopy:
+    def copy_committed(self, rel: str, iteration: int, data: bool = True, in_place: bool = False) -> CommittedCopy:
         """Download the committed checkpoint ``rel`` into a fresh local copy, every object verified as it streams
-        (``data=False``: the data objects hashed as they stream, not kept); the copy is deleted by
-        :meth:`CommittedCopy.release`, or when the process exits."""
+        (``data=False``: the data objects hashed as they stream, not kept; ``in_place``: left where they lie, read
+        by ranges, where the format allows); deleted by :meth:`CommittedCopy.release`, or when the process exits."""
         local = cache_root() / "fetch" / secrets.token_hex(6) / iteration_dirname(iteration)
         atexit.register(shutil.rmtree, local.parent, True)
         manifest, data_bytes, listed = read_listed(self.store, rel, self._kept_manifest(rel))
-        problems = fetch_files(self.store, rel, manifest, local, listed, only=None if data else
+        in_place = in_place and _reads_by_range(manifest)
+        copied = data and not in_place
+        problems = fetch_files(self.store, rel, manifest, local, listed, only=None if copied else
                                (lambda name: not is_data_file(name)))
         if not data:  # (the listing's problems, said by both calls, once)
             problems = sorted({*problems, *fetch_files(self.store, rel, manifest, None, listed, only=is_data_file)})
         (local / MANIFEST_FILENAME).write_bytes(data_bytes)
-        sizes = None if data else {n: size for n, size in listed[0].items() if is_data_file(n)}
-        return CommittedCopy(local, self.store.url_of(rel), iteration, manifest, problems,
-                             fetched_into=local.parent, listed=sizes)
+        sizes = None if copied else {n: size for n, size in listed[0].items() if is_data_file(n)}
+        return CommittedCopy(local, self.store.url_of(rel), iteration, manifest, problems, fetched_into=local.parent,
+                             listed=sizes, files=StoreFiles(local, self.store, rel, sizes or {}) if in_place else None)
 
 
 def _reads_by_range(manifest: Manifest) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -31,9 +31,10 @@ from ..location.locate import locate
 from ..location.store import renamed_error
 from ..state.fingerprint import FINGERPRINT_VERSION, base_fingerprint
 from ..state.sections import MODEL
+from ..storage.checkpoint_files import CheckpointFiles
 from ..storage.checksums import verify_files
 from ..storage.dcp_reader import RangedFileSystemReader
-from ..storage.formats import storage_format
+from ..storage.formats import StorageFormat, storage_format
 from ..storage.manifest import Manifest, read_manifest
 
 __all__ = ["OfflineCheckpoint", "TensorSource", "open_checkpoint", "lazy_entries", "lazy_fingerprint"]
@@ -48,6 +49,11 @@ class OfflineCheckpoint:
     manifest: Manifest
     source: str = ""
     """Where it was read from when that is not ``path``: the URL of a checkpoint fetched from an object store."""
+    files: CheckpointFiles | None = None
+    """Where its data files are read when they are not under ``path``: a store's objects, read by ranges and
+    verified by their block index as they are (:meth:`model_tensors` raises on damage, naming the object)."""
+    _hashed: set[str] = field(default_factory=set)
+    """Data files without a block index, hashed whole once (a store's, read in place)."""
 
     @property
     def where(self) -> str:
@@ -56,7 +62,9 @@ class OfflineCheckpoint:
 
     def model_tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """``{model name: global tensor}`` of the model section (all of it, or ``names``)."""
-        reader = RangedFileSystemReader(self.path, verify=False)  # verified when it was resolved
+        # A directory was verified when it was opened; a store's objects are verified as they are read.
+        reader = RangedFileSystemReader(self.path, verify=self.files is not None,
+                                        sources=None if self.files is None else self.files.sources)
         metadata = reader.read_metadata()
         prefix = MODEL + "."
         available = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items()
@@ -77,6 +85,12 @@ class OfflineCheckpoint:
                 if inner is e:
                     raise
                 raise inner from None
+            unhashed = sorted(set(reader.unindexed) - self._hashed)
+            problems = reader.problems + (self.files.checksum_problems(self.manifest, unhashed)
+                                          if self.files is not None and unhashed else [])
+            self._hashed.update(unhashed)
+            if problems:
+                raise CheckpointIntegrityError(f"checkpoint {self.where} is damaged:\n  " + "\n  ".join(problems))
         return {k[len(prefix):]: v for k, v in request.items()}
 
 
@@ -127,9 +141,17 @@ def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
     """Resolve ``path`` (a save directory via its tracker, or a checkpoint directory), read the manifest and
     verify every file's checksum. ``what`` names the argument in error messages. A URL's checkpoint is fetched
     into a local copy first (every object verified as it downloads; deleted at exit)."""
-    copy = protocol.committed_copy(locate(path, what))
+    copy = protocol.committed_copy(locate(path, what), in_place=True)
     if copy.problems:
         raise CheckpointIntegrityError(f"{what} {copy.url} is damaged:\n  " + "\n  ".join(copy.problems))
+    if copy.files is not None:  # a store's small files, fetched and verified; its data objects read in place
+        assert copy.manifest is not None
+        _check_reshards(copy.manifest, what, copy.url)
+        problems = storage_format(copy.manifest.format, f"{what} {copy.url}").structure_problems(
+            copy.local, copy.manifest, copy.files.listed)
+        if problems:
+            raise CheckpointIntegrityError(copy.rename(f"{what} {copy.url} is damaged:\n  " + "\n  ".join(problems)))
+        return OfflineCheckpoint(copy.local, copy.iteration, copy.manifest, source=copy.url, files=copy.files)
     if copy.verified:  # a copy fetched from a store, every object hashed as it arrived: not hashed again
         try:
             opened = open_checkpoint(copy.local, verify_checksums=False, what=what)
@@ -139,13 +161,19 @@ def open_checkpoint(path: str | os.PathLike[str], verify_checksums: bool = True,
         return opened
     ckpt, iteration = copy.local, copy.iteration
     manifest = read_manifest(ckpt)
-    fmt = storage_format(manifest.format, f"{what} {ckpt}")
-    if not fmt.reshards:  # a legacy file holds one rank's local shards
-        raise CheckpointFormatError(
-            f"{what} {ckpt} is in the {manifest.format!r} format; the offline tools read torch_dist only: "
-            "convert it with `peftckpt train --load ... --ckpt-convert-format torch_dist --ckpt-convert-save DIR`")
+    fmt = _check_reshards(manifest, what, ckpt)
     problems = verify_files(ckpt, manifest, hash_if=None if verify_checksums else (lambda _rel: False))
     problems = list(dict.fromkeys(problems + fmt.structure_problems(ckpt, manifest)))  # always: nothing read from outside
     if problems:
         raise CheckpointIntegrityError(f"{what} {ckpt} is damaged:\n  " + "\n  ".join(problems))
     return OfflineCheckpoint(ckpt, iteration, manifest)
+
+
+def _check_reshards(manifest: Manifest, what: str, where: object) -> StorageFormat:
+    """The checkpoint's format, if the offline tools read it (a legacy file holds one rank's local shards)."""
+    fmt = storage_format(manifest.format, f"{what} {where}")
+    if not fmt.reshards:
+        raise CheckpointFormatError(
+            f"{what} {where} is in the {manifest.format!r} format; the offline tools read torch_dist only: "
+            "convert it with `peftckpt train --load ... --ckpt-convert-format torch_dist --ckpt-convert-save DIR`")
+    return fmt
