@@ -55,6 +55,8 @@ class _Part:
     left: int
     """Expected bytes inside the part not yet read; released at 0."""
     data: Future[bytes] | None = field(default=None, repr=False)
+    sent: bool = False
+    """Its GET was started (``data`` is then ``None`` again once the part is read: released)."""
 
 
 class ObjectSource:
@@ -129,16 +131,16 @@ class ObjectSource:
 
     def _submit(self, p: _Part) -> None:
         """Start fetching the part ``p`` (under the lock)."""
-        p.data = self._pool.submit(self._get, p.start, p.end)
+        p.data, p.sent = self._pool.submit(self._get, p.start, p.end), True
         self._held += p.end - p.start
 
     def _admit(self, upto: int) -> None:
         """Step 3 (under the lock): submit the parts up to ``upto``, and more while the window has room."""
         while self._next < len(self._parts) and (
-                self._next <= upto or self._parts[self._next].data is not None or
+                self._next <= upto or self._parts[self._next].sent or
                 self._held + self._parts[self._next].end - self._parts[self._next].start <= AHEAD_BYTES):
             p = self._parts[self._next]
-            if p.data is None:  # (the index's part may have gone first)
+            if not p.sent:  # (the index's part may have gone first)
                 self._submit(p)
             self._next += 1
 
@@ -234,7 +236,7 @@ class ObjectSource:
             at = start
             while i < len(self._parts) and at < end:
                 p = self._parts[i]
-                if p.start > at or p.end <= at or (p.data is None and i < self._next):
+                if p.start > at or p.end <= at or (p.data is None and p.sent):
                     return None
                 out.append(i)
                 at = p.end
@@ -244,9 +246,7 @@ class ObjectSource:
     def close(self) -> None:
         """Drop what is fetched and not read (a failed or partial load); the tail is kept for the next reads."""
         with self._lock:
-            for p in self._parts[self._next:]:
-                p.data = None
-            for p in self._parts[:self._next]:
+            for p in self._parts:
                 if p.data is not None:
                     p.data.cancel()
                     p.data = None
