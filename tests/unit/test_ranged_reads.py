@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions
 from peftckpt.checkpoint.errors import CheckpointIntegrityError
@@ -136,3 +137,34 @@ def test_a_damaged_block_index_is_named_and_the_stock_path_reads(saved: tuple[Pa
     got, reader = _read(copy, (0, 0), (ROWS, COLS))
     assert torch.equal(got, weight)  # read by the stock path
     assert len(reader.problems) == 1 and "checksum mismatch of its block index" in reader.problems[0]
+
+
+def test_a_failed_read_drops_the_reads_still_queued(tmp_path: Path) -> None:
+    """A read that fails stops the load: the reads queued behind it are not run (on a store each would fetch its
+    range afresh), only those already running finish."""
+    import time
+
+    from peftckpt.checkpoint.storage import dcp_reader
+    from peftckpt.checkpoint.storage.byte_sources import FileSource
+
+    layers = 40
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(layers)))
+    ckpt = Path(Checkpointer([model], None, layout={"tp": 1, "pp": 1, "dp": 1, "vpp": 1},
+                             coords={"tp": 0, "pp": 0, "dp": 0}, model_config={"width": 64}).save(tmp_path, 1))
+    reads: list[int] = []
+
+    class Failing(FileSource):
+        def read_into(self, views, offset):  # type: ignore[no-untyped-def]
+            reads.append(offset)
+            if len(reads) == 1:
+                raise OSError("the first read fails")
+            time.sleep(0.2)  # the others take long enough for the load to see the failure
+            return super().read_into(views, offset)
+
+    reader = RangedFileSystemReader(ckpt, sources=lambda rel: Failing(ckpt / rel))
+    request = {f"model.{i}.weight": GlobalTensor((64, 64), torch.float32, [Piece((0, 0), torch.empty(64, 64))])
+               for i in range(layers)}
+    with pytest.raises(CheckpointException) as failed:
+        dcp.load(request, storage_reader=reader, planner=EntryLoadPlanner(), no_dist=True)
+    assert "OSError('the first read fails')" in repr(failed.value.failures)
+    assert len(reads) <= 1 + dcp_reader._READ_THREADS, f"{len(reads)} of {layers} reads ran after the failure"

@@ -17,12 +17,11 @@ file (:mod:`~peftckpt.checkpoint.storage.framing`):
 
 Nothing read is dropped from the page cache: the other TP ranks read the same rows of a column split, and DP
 replicas the same pieces, at about the same time (dropping them made the ranks read 1.25x the base from the disk).
-Several direct reads are in flight at once (a small thread pool; ``preadv`` releases the GIL); reads through a
-buffer run one at a time, so a load holds at most one such buffer (the span of one stored tensor). Objects are read
-whole and go through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a
-block index (stock DCP's, earlier peftckpt's), items the index does not list, and a file whose index is damaged
-(reported, when verifying) are read by the stock path -- or, for files that are not local, by the byte range the
-``.metadata`` records for each item, loaded with ``torch.load(weights_only=True)``.
+Several direct reads are in flight (a small pool; ``preadv`` releases the GIL; a failed read drops those queued);
+reads through a buffer run one at a time, so a load holds at most one such buffer. Objects are read whole and go
+through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a block index
+(stock DCP's, earlier peftckpt's), items the index does not list, and a file whose index is damaged (reported,
+when verifying) are read by the stock path -- or, off the local disk, by each item's recorded byte range.
 
 Each data file is read through a :class:`~peftckpt.checkpoint.storage.byte_sources.ByteSource`: the local file
 (``preadv`` as above), or -- ``sources`` given -- an object on a store read by ranged GETs, told the ranges of the
@@ -139,6 +138,9 @@ class RangedFileSystemReader(SafeFileSystemReader):
                 source = self._open(rel)
                 try:
                     stock += self._read_file(rel, source, items, planner, safe, pool)
+                except BaseException:  # the reads still queued are dropped (each would fetch its range afresh)
+                    pool.shutdown(cancel_futures=True)
+                    raise
                 finally:
                     source.close()
         if stock:
@@ -181,7 +183,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
                 self._load_record(item, self._read_exact(source, item, info.offset, info.length), planner, safe)
             elif item.type == LoadItemType.BYTE_IO:
                 jobs.append((item, read_when_ready(pool, source, span, self._read_whole, source, item, entry)))
-            elif entry.data_length == 0 and entry.data_offset == entry.offset + entry.length:
+            elif entry.opaque:
                 # a tensor torch.save framed (too large, or an unusual dtype): whole, one at a time
                 self._load_record(item, self._read_whole(source, item, entry), planner, safe)
             else:
@@ -235,9 +237,8 @@ class RangedFileSystemReader(SafeFileSystemReader):
         entry = index.get(info.offset)
         if entry is None or entry.length != info.length or info.transform_descriptors:
             return None
-        opaque = entry.data_offset == entry.offset + entry.length and entry.data_length == 0
-        if item.type == LoadItemType.BYTE_IO or opaque:  # read whole, one digest (a torch.save record)
-            return entry if opaque else None
+        if item.type == LoadItemType.BYTE_IO or entry.opaque:  # read whole, one digest (a torch.save record)
+            return entry if entry.opaque else None
         chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
         if chunk is None or math.prod(chunk[1]) * chunk[0].itemsize != entry.data_length:
             return None
@@ -295,8 +296,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
         if entry is None:
             info = cast(_StorageInfo, self.storage_data[item.storage_index])
             return info.offset, info.offset + info.length
-        opaque = entry.data_length == 0 and entry.data_offset == entry.offset + entry.length
-        if item.type == LoadItemType.BYTE_IO or opaque:
+        if item.type == LoadItemType.BYTE_IO or entry.opaque:
             return entry.offset, entry.offset + entry.length
         dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
         span = self._span(entry, item, dtype, sizes)[0]
@@ -367,8 +367,8 @@ class RangedFileSystemReader(SafeFileSystemReader):
         return target
 
     def _bounce(self, nbytes: int) -> torch.Tensor:
-        """A buffer for a read that cannot land in its destination: the reader's reused one where it fits (buffered
-        reads run one at a time, on the calling thread), so no fresh memory is faulted in for each."""
+        """A buffer for a read that cannot land in its destination: the reused one where it fits (buffered reads
+        run one at a time, on the calling thread)."""
         if nbytes > _BOUNCE_BYTES:
             return torch.empty(nbytes, dtype=torch.uint8)
         if self._buffer is None:
@@ -384,7 +384,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
             sizes = [len(segments[0]), *sizes, len(segments[2])]
             positions = [0, *positions, len(entry.digests) - 1]
         self._check(path, repr(item.storage_index.fqn), entry, positions,
-                    segment_digests([s for s in segments if len(s)], [s for s in sizes]))
+                    segment_digests([s for s in segments if len(s)], sizes))
 
 
 def load_state_dict(state_dict: dict[str, Any], reader: RangedFileSystemReader, planner: LoadPlanner,

@@ -177,6 +177,11 @@ class IndexedItem:
     digests: list[int]
     """Framing before the data, each :data:`BLOCK_BYTES` block of the data, framing after it."""
 
+    @property
+    def opaque(self) -> bool:
+        """A record read whole under one digest (a ``torch.save`` framed tensor): no data bytes of its own."""
+        return self.data_length == 0 and self.data_offset == self.offset + self.length
+
     def block_range(self, start: int, end: int) -> tuple[int, int, int, int]:
         """The data blocks covering data bytes ``[start, end)``: ``(first block, end block, their first byte,
         their end byte)`` (bytes relative to the data start)."""
