@@ -163,3 +163,38 @@ def test_tensors_left_to_torch_save_are_indexed_whole_and_verified(tmp_path: Pat
     with pytest.raises(CheckpointIntegrityError, match=r"__0_0.distcp: xxh3_64 checksum mismatch in the bytes of "
                                                        r"'model.0.weight' \(framing"):
         target.load(tmp_path)
+
+
+def test_gathered_writes_survive_short_writes_and_hash_every_byte_in_order(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's vectored writes resume after a short ``writev`` (the kernel may take part of a batch), and the
+    checksum taken on another thread while writing equals the file's own, byte for byte."""
+    import os
+
+    from peftckpt.checkpoint.storage import checksums
+    from peftckpt.checkpoint.storage.checksums import ChecksummingFileSystem, checksum_file
+
+    real_writev = os.writev
+    calls: list[int] = []
+
+    def short_writev(fd: int, views: list[memoryview]) -> int:  # at most 1000 bytes a call, cut mid-buffer
+        calls.append(len(views))
+        first = memoryview(views[0])[:1000]
+        return real_writev(fd, [first])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    fs = ChecksummingFileSystem()
+    path = tmp_path / "__0_0.distcp"
+    pieces = [bytes([i % 251]) * (i * 37 % 5000) for i in range(300)]
+    with fs.create_stream(path, "wb") as stream:
+        raw = stream.raw
+        raw.write_many([memoryview(p) for p in pieces[:150]])
+        stream.write(b"between")  # a plain write after gathered ones keeps the order
+        stream.flush()  # (the vectored writes go below the stream's buffer, as the writer's do after a flush)
+        raw.write_many([memoryview(p) for p in pieces[150:]])
+    expected = b"".join(pieces[:150]) + b"between" + b"".join(pieces[150:])
+    assert path.read_bytes() == expected
+    assert len(calls) > 100  # it really was cut short, many times
+    record = fs.checksums([path], tmp_path)[path.name]
+    assert record == {"size": len(expected), "checksum": checksum_file(path)}
+    assert checksums._ordered_pool is not None

@@ -15,8 +15,8 @@ import hashlib
 import io
 import os
 import threading
-from collections.abc import Callable, Generator, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -27,6 +27,7 @@ from peftckpt.checkpoint.errors import CheckpointFormatError
 from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
 from peftckpt.checkpoint.storage.manifest import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, Manifest
 from peftckpt.checkpoint.storage.paths import recorded_file_problem
+from peftckpt.checkpoint.storage.preads import write_all
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -51,6 +52,7 @@ _WRITE_BUFFER_BYTES = 1024 * 1024
 _OVERLAP_BYTES = 4 * 1024 * 1024
 """Writes at least this large are hashed on a thread of their own while the file system copies them."""
 _overlap_pool: ThreadPoolExecutor | None = None
+_ordered_pool: ThreadPoolExecutor | None = None
 
 
 def overlap_pool() -> ThreadPoolExecutor:
@@ -59,6 +61,14 @@ def overlap_pool() -> ThreadPoolExecutor:
     if _overlap_pool is None:
         _overlap_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peftckpt-hash")
     return _overlap_pool
+
+
+def _in_order_pool() -> ThreadPoolExecutor:
+    """One thread that hashes gathered writes (:meth:`_HashingRaw.write_many`) in the order they were written."""
+    global _ordered_pool
+    if _ordered_pool is None:
+        _ordered_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-hash-in-order")
+    return _ordered_pool
 _XXHASH = ("xxh3_128", "xxh3_64")
 
 
@@ -131,11 +141,13 @@ class _HashingRaw(io.RawIOBase):
         self._raw = raw
         self.digest = digest
         self.written = 0
+        self._hashed: Future[None] | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
+        self.settle()  # (the digest takes the bytes in order)
         view = memoryview(b).cast("B")
         if len(view) < _OVERLAP_BYTES:
             n = self._raw.write(view) or 0
@@ -152,6 +164,29 @@ class _HashingRaw(io.RawIOBase):
         self.written += n
         return n
 
+    def write_many(self, views: Sequence[memoryview]) -> int:
+        """Write ``views`` (byte views) in order, all of them: one ``writev`` for a local file, one by one to a
+        stream (an object's upload). They are hashed on another thread, in order, while the caller goes on:
+        their memory must not change before :meth:`settle` (which closing calls)."""
+        self._hashed = _in_order_pool().submit(_update, self.digest, views)
+        if isinstance(self._raw, io.FileIO):
+            total = write_all(self._raw.fileno(), views)
+        else:
+            total = 0
+            for view in views:
+                n = 0
+                while n < len(view):
+                    n += self._raw.write(view[n:]) or 0
+                total += n
+        self.written += total
+        return total
+
+    def settle(self) -> None:
+        """Wait until every byte written is hashed."""
+        if self._hashed is not None:
+            hashed, self._hashed = self._hashed, None
+            hashed.result()
+
     def tell(self) -> int:
         return self._raw.tell()
 
@@ -160,8 +195,16 @@ class _HashingRaw(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
-            self._raw.close()
-            super().close()
+            try:
+                self.settle()
+            finally:
+                self._raw.close()
+                super().close()
+
+
+def _update(digest: Digest, views: Sequence[memoryview]) -> None:
+    for view in views:
+        digest.update(view)
 
 
 StreamTo = Callable[[Path], io.RawIOBase]

@@ -3,10 +3,11 @@
 DCP's planning, deduplication of replicated pieces and ``.metadata`` stay DCP's own (``dcp.save`` drives this
 writer). What changes is the per-item work: :class:`FramedFileSystemWriter` writes each tensor as a
 ``torch.save``-compatible record straight from its memory (:func:`~peftckpt.checkpoint.storage.framing.tensor_record`),
-takes the block digests of its bytes on the way, and ends the file with the block index -- one buffered stream,
-no per-item stream objects, loggers or pickling. The file system's stream (a
+takes the block digests of its bytes on the way, and ends the file with the block index -- no per-item stream
+objects, loggers or pickling, and the items' bytes written a few MiB at a time by one vectored write, from the
+tensors' own memory. The file system's stream (a
 :class:`~peftckpt.checkpoint.storage.checksums.ChecksummingFileSystem` in a save) still sees every byte, so the
-manifest's whole-file checksum is taken while writing, as before. The written ``Metadata`` is kept
+manifest's whole-file checksum is taken while writing, as before (on another thread, in order). The written ``Metadata`` is kept
 (:attr:`FramedFileSystemWriter.metadata`) for the commit's whole-checkpoint check, which need not read it back.
 
 :func:`save_state_dict` runs DCP's save protocol (local plans, the coordinator's global plan and metadata, the
@@ -48,18 +49,44 @@ __all__ = ["FramedFileSystemWriter", "save_state_dict"]
 
 _JOINED_BYTES = 1 << 16
 """Tensors up to this size are written with their framing as one joined buffer."""
+_GATHER_BYTES = 2 << 20
+_GATHER_VIEWS = 1024
+"""Queued writes are written out (one ``writev``) once they reach either many bytes or many buffers. (A/B, 2-core
+VM: 2 MiB took a 122 MB, 672-tensor save 8 % under the stream's buffered writes; 4 MiB and more cost a 4 MB save
+~10 %.)"""
 
 
-class _Counting:
-    """Writes to a stream, counting the bytes (``tell()`` of a buffered writer costs a syscall's worth)."""
+class _Gathering:
+    """The data file's writes, queued as views (the framing, and each tensor's own memory) and written out a few
+    MiB at a time by one vectored write of the stream's hashing file underneath its buffer: no copy of the bytes
+    into a buffer first, one system call per batch. Counts the bytes (``tell()`` of a buffered writer costs a
+    syscall's worth). The views' memory -- tensors the save holds -- must not change until :meth:`flush`."""
 
     def __init__(self, stream: io.IOBase) -> None:
+        raw = stream.raw if isinstance(stream, io.BufferedWriter) else None
+        self._write_many = getattr(raw, "write_many", None)
         self.stream = stream
         self.at = 0
+        self._views: list[memoryview] = []
+        self._queued = 0
 
     def write(self, data: bytes | memoryview) -> None:
-        self.stream.write(data)
+        if self._write_many is None:  # a stream without vectored writes: as it is
+            self.stream.write(data)
+            self.at += len(data)
+            return
+        self._views.append(memoryview(data))
         self.at += len(data)
+        self._queued += len(data)
+        if self._queued >= _GATHER_BYTES or len(self._views) >= _GATHER_VIEWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._views:
+            assert self._write_many is not None
+            self.stream.flush()  # (nothing is buffered above: every write came here)
+            self._write_many(self._views)
+            self._views, self._queued = [], 0
 
 
 class FramedFileSystemWriter(FileSystemWriter):
@@ -82,7 +109,7 @@ class FramedFileSystemWriter(FileSystemWriter):
         index: list[IndexedItem] = []
         hashing: list[tuple[IndexedItem, ConcurrentFuture[list[int]]]] = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
-            out = _Counting(stream)
+            out = _Gathering(stream)
             # Objects first, then tensors in plan order (as DCP's writer orders them).
             items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
             for item in items:
@@ -95,6 +122,7 @@ class FramedFileSystemWriter(FileSystemWriter):
             for indexed, blocks in hashing:  # (taken on another core while the items were written)
                 indexed.digests[1:1] = blocks.result()
             out.write(encode_index(index))
+            out.flush()
             if self.sync_files:
                 stream.flush()
                 os.fsync(stream.fileno())
@@ -103,7 +131,7 @@ class FramedFileSystemWriter(FileSystemWriter):
         return future
 
     @staticmethod
-    def _write_item(out: _Counting, item: WriteItem, data: Any,
+    def _write_item(out: _Gathering, item: WriteItem, data: Any,
                     hashing: list[tuple[IndexedItem, ConcurrentFuture[list[int]]]]) -> IndexedItem:
         """Write one item; its index record with offsets relative to the item's start. An object, and a tensor
         left to ``torch.save``, is recorded as framing only (read whole, verified by one digest). The block
