@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+from peftckpt.checkpoint.api import Checkpointer
 from peftckpt.checkpoint.errors import CheckpointFormatError, CheckpointNotFoundError
 from peftckpt.checkpoint.location.directory import (
     apply_retention,
@@ -86,6 +90,48 @@ def test_fsync_tree_walks_everything(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(os, "fsync", recording_fsync)
     fsync_tree(tmp_path)
     assert len(synced) == 5  # 2 files + 3 directories
+
+
+def test_an_early_flushs_error_is_raised_by_the_fsync_that_follows(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``start_flush`` fsyncs a written file in the background; the commit's later ``fsync_file`` of it waits for
+    that fsync and raises its error (a failed fsync is reported once: a second one could pass and lose data)."""
+    from peftckpt.checkpoint.storage import durable
+
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(b"x" * 4096)
+    real = os.fsync
+    failed = threading.Event()
+
+    def failing_once(fd: int) -> None:
+        if not failed.is_set():
+            failed.set()
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_once)
+    durable.start_flush(path)
+    assert failed.wait(10)
+    with pytest.raises(OSError, match="Input/output error"):
+        durable.fsync_file(path)
+    durable.fsync_file(path)  # joined once: a later fsync is a plain one
+    assert str(path) not in durable._early
+
+
+def test_a_saves_data_files_are_flushed_early_and_joined_by_the_commit(tmp_path: Path) -> None:
+    from peftckpt.checkpoint.storage import durable
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    ckpt = Checkpointer([model], None, layout={"tp": 1, "pp": 1, "dp": 1, "vpp": 1}, coords={"tp": 0, "pp": 0, "dp": 0})
+    started: list[str] = []
+    real = durable.start_flush
+    with pytest.MonkeyPatch.context() as m:
+        from peftckpt.checkpoint.storage import dcp_writer
+        m.setattr(dcp_writer, "start_flush", lambda p: (started.append(os.path.abspath(p)), real(p)))
+        ckpt.save(tmp_path, 1)
+    assert [Path(p).name for p in started] == ["__0_0.distcp"]
+    assert not set(started) & set(durable._early)  # the commit's fsync of the staging tree joined it
 
 
 def test_staging_name_and_validation(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from torch.futures import Future
 
 from ..checks.integrity import DCP_METADATA_FILENAME
 from .checksums import overlap_pool
+from .durable import start_flush
 from .framing import IndexedItem, block_digests, encode_index, tensor_bytes, tensor_record
 from .metadata_pickle import MetadataPickler
 from .plan_memo import PlanMemo
@@ -108,7 +109,8 @@ class FramedFileSystemWriter(FileSystemWriter):
         results: list[WriteResult] = []
         index: list[IndexedItem] = []
         hashing: list[tuple[IndexedItem, ConcurrentFuture[list[int]]]] = []
-        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+        path = cast(Path, self.fs.concat_path(self.path, name))
+        with self.fs.create_stream(path, "wb") as stream:
             out = _Gathering(stream)
             # Objects first, then tensors in plan order (as DCP's writer orders them).
             items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
@@ -126,6 +128,8 @@ class FramedFileSystemWriter(FileSystemWriter):
             if self.sync_files:
                 stream.flush()
                 os.fsync(stream.fileno())
+        if not self.sync_files and Path(path).absolute() not in getattr(self.fs, "streamed", ()):
+            start_flush(path)  # the commit's fsync of the file, begun while the save goes on (durable.py)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

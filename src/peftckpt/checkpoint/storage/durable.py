@@ -7,17 +7,45 @@ exports, which write HF directories with the same guarantees.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-__all__ = ["fsync_file", "fsync_dir", "fsync_tree", "atomic_write_bytes"]
+__all__ = ["fsync_file", "fsync_dir", "fsync_tree", "atomic_write_bytes", "start_flush"]
 
 _FSYNC_THREADS = 8
+_early: dict[str, Future[None]] = {}
+"""Background fsyncs started by :func:`start_flush` and not yet joined by :func:`fsync_file`, by absolute path."""
+_early_lock = threading.Lock()
+_early_pool: ThreadPoolExecutor | None = None
+
+
+def start_flush(path: str | os.PathLike[str]) -> None:
+    """Start making ``path`` -- a file just written and closed, that a :func:`fsync_file` (a commit's) will make
+    durable later -- durable now, on a background thread: the disk writes it back while the caller goes on, and
+    the later fsync finds it clean. That later :func:`fsync_file` joins this one and raises its error: an fsync
+    error is reported once, so it is never dropped here."""
+    global _early_pool
+    key = os.path.abspath(path)
+    with _early_lock:
+        if _early_pool is None:
+            _early_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peftckpt-flush")
+        for done in [k for k, f in _early.items() if f.done() and f.exception() is None]:
+            del _early[done]  # (files never committed: their saves failed, or were cleaned)
+        _early[key] = _early_pool.submit(_fsync, key)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
-    """Flush one file's data and metadata to stable storage."""
+    """Flush one file's data and metadata to stable storage (after the flush :func:`start_flush` began, if any)."""
+    with _early_lock:
+        early = _early.pop(os.path.abspath(path), None)
+    if early is not None:
+        early.result()
+    _fsync(path)
+
+
+def _fsync(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
