@@ -62,17 +62,26 @@ def test_saves_laid_out_alike_reuse_the_plans_and_stay_whole(tmp_path: Path) -> 
     model, opt = _run()
     _step(model, opt)
     ckpt = Checkpointer([model], opt, **KW)
-    first = ckpt.save(tmp_path, 1, {"iteration": 1}, TRAINABLE)
+    first = ckpt.save(tmp_path, 1, {"iteration": "x"}, TRAINABLE)
     memo = _plans(ckpt)
     assert memo.plan is not None and memo.metadata is not None and memo.structure is not None
     assert memo.pickler is not None and memo.pickler.entries is memo.metadata.state_dict_metadata
     _check(Path(first), model, opt)
+    picklers, places = [memo.pickler], [r.storage_data for r in memo.written]
     for it in (2, 3):  # new values (a step), new object values: the same layout
         _step(model, opt)
-        path = ckpt.save(tmp_path, it, {"iteration": it}, TRAINABLE)
+        path = ckpt.save(tmp_path, it, {"iteration": "x" * 5000}, TRAINABLE)  # (an object grows at save 2)
         assert _plans(ckpt) is memo
         _check(Path(path), model, opt)
-    handle = ckpt.async_save(tmp_path, 4, {"iteration": 4}, TRAINABLE)  # async saves share the memo too
+        picklers.append(memo.pickler)
+        # Tensors lie where they did (objects after them): their storage items are reused; the objects after
+        # the one that grew moved, so save 2 pickles the items once more, and save 3 reuses that pickler.
+        tensors = [r for r in memo.written if r.index.fqn.startswith(("model.", "optimizer.state."))]
+        assert tensors and all(any(r.storage_data is p for p in places) for r in tensors)
+        grown = next(r for r in memo.written if r.index.fqn == "iteration")
+        assert grown.size_in_bytes > 5000 and grown.storage_data.offset > max(r.storage_data.offset for r in tensors)
+    assert picklers[1] is not picklers[0] and picklers[2] is picklers[1]
+    handle = ckpt.async_save(tmp_path, 4, {"iteration": "y"}, TRAINABLE)  # async saves share the memo too
     assert Path(handle.result()).name == "iter_0000004" and _plans(ckpt) is memo
     _check(Path(handle.path), model, opt)
 

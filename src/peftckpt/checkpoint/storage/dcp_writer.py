@@ -110,17 +110,25 @@ class FramedFileSystemWriter(FileSystemWriter):
         index: list[IndexedItem] = []
         hashing: list[tuple[IndexedItem, ConcurrentFuture[list[int]]]] = []
         path = cast(Path, self.fs.concat_path(self.path, name))
+        last = self.plans.written if self.plans is not None else []
         with self.fs.create_stream(path, "wb") as stream:
             out = _Gathering(stream)
-            # Objects first, then tensors in plan order (as DCP's writer orders them).
-            items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
-            for item in items:
+            # Tensors first, in plan order, then objects: a tensor's place in the file depends on the layout alone
+            # (objects -- the optimizer's groups, the RNG state -- may change size from one save to the next), so a
+            # save laid out like the last one puts every tensor where that one did, and reuses its results.
+            items = sorted(plan.items, key=lambda i: i.type == WriteItemType.BYTE_IO)
+            for n, item in enumerate(items):
                 at = out.at
                 indexed = self._write_item(out, item, planner.resolve_data(item), hashing)
                 indexed.offset, indexed.data_offset = at, at + indexed.data_offset
                 index.append(indexed)
-                results.append(WriteResult(index=item.index, size_in_bytes=out.at - at,
-                                           storage_data=_StorageInfo(name, at, out.at - at)))
+                length = out.at - at
+                result = last[n] if n < len(last) else None
+                if result is None or result.index is not item.index or result.size_in_bytes != length or \
+                        result.storage_data.offset != at or result.storage_data.relative_path != name:
+                    result = WriteResult(index=item.index, size_in_bytes=length,
+                                         storage_data=_StorageInfo(name, at, length))
+                results.append(result)
             for indexed, blocks in hashing:  # (taken on another core while the items were written)
                 indexed.digests[1:1] = blocks.result()
             out.write(encode_index(index))
@@ -130,6 +138,8 @@ class FramedFileSystemWriter(FileSystemWriter):
                 os.fsync(stream.fileno())
         if not self.sync_files and Path(path).absolute() not in getattr(self.fs, "streamed", ()):
             start_flush(path)  # the commit's fsync of the file, begun while the save goes on (durable.py)
+        if self.plans is not None:
+            self.plans.written = results
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -183,8 +193,8 @@ class FramedFileSystemWriter(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for written in results for r in written}
         metadata.storage_meta = self.storage_meta()
-        if plans.pickler is None:
-            plans.pickler = MetadataPickler(metadata.state_dict_metadata, list(metadata.storage_data))
+        if plans.pickler is None or not plans.pickler.holds(metadata.storage_data):
+            plans.pickler = MetadataPickler(metadata.state_dict_metadata, metadata.storage_data)
         data = plans.pickler.dumps(metadata)
         final = cast(Path, self.fs.concat_path(self.path, DCP_METADATA_FILENAME))
         temporary = cast(Path, self.fs.concat_path(self.path, f"{DCP_METADATA_FILENAME}.tmp"))

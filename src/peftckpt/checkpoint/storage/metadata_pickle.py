@@ -5,10 +5,12 @@ sizes per stored tensor) and where each item landed (``storage_data``). At a che
 thousands of adapter tensors the entries cost ~10 us a tensor to pickle, every time, though a save that reuses
 its plans (:mod:`~peftckpt.checkpoint.storage.plan_memo`) has the very same entry objects as the last one.
 
-:class:`MetadataPickler` pickles the entries, and the storage indices the plan will report, once (protocol 2,
+:class:`MetadataPickler` pickles the entries, the storage indices and the storage items (where each item lies in
+its file: the same objects at every save that writes each item where the last one did), once (protocol 2,
 explicit memo indices) and keeps the bytes and the pickler's memo. A save's metadata is then that prefix, a
 ``POP`` (the entries stay in the unpickler's memo), and the metadata pickled by a pickler that starts from the
-kept memo: every entry and index is a memo reference, only the storage items and the small fields are new. The
+kept memo: every entry and index, and every storage item in its old place, is a memo reference; only the
+items that moved and the small fields are new. The
 result is one ordinary pickle (memo indices in order, one ``STOP``) that stock ``pickle.load`` -- stock DCP --
 and the restricted reader load as DCP's own. It relies on the entries never being mutated once planned, as
 the plan memo does.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -32,14 +34,21 @@ _PROTO = bytes([pickle.PROTO[0], _PROTOCOL])
 class MetadataPickler:
     """Pickles :class:`Metadata` objects whose ``state_dict_metadata`` is ``entries`` (module docstring)."""
 
-    def __init__(self, entries: dict[str, Any], indices: Sequence[MetadataIndex]) -> None:
+    def __init__(self, entries: dict[str, Any], storage: Mapping[MetadataIndex, Any]) -> None:
         buf = io.BytesIO()
         self._pickler = pickle.Pickler(buf, protocol=_PROTOCOL)
-        self._pickler.dump((entries, list(indices)))
+        self._pickler.dump((entries, list(storage), list(storage.values())))
         data = buf.getvalue()
         assert data.startswith(_PROTO) and data.endswith(pickle.STOP)
         self._prefix = data[:-1] + pickle.POP
         self.entries = entries
+        self._items = list(storage.values())
+
+    def holds(self, storage: Mapping[MetadataIndex, Any]) -> bool:
+        """Whether ``storage``'s items are the very objects this pickler pickled (a save that put every item where
+        the last one did reuses them): else a new pickler pickles them once more, for the saves after it."""
+        items = self._items
+        return len(storage) == len(items) and all(a is b for a, b in zip(storage.values(), items))
 
     def dumps(self, metadata: Metadata) -> bytes:
         """The pickle of ``metadata`` (its ``state_dict_metadata`` must be :attr:`entries`)."""

@@ -10,7 +10,8 @@ trainable-only save).
 A :class:`PlanMemo` holds them. A save reuses the last one's only where every rank agrees its layout equals the
 last save's (:func:`layout_of`, compared on each rank, then one ``all_true``) and the last save was committed;
 otherwise it starts an empty one that the save fills in as it goes. What a save writes and checks of its *data* --
-every byte, the files' checksums and digests, every storage item's range inside its file -- is never reused.
+every byte, the files' checksums and digests, every storage item's range inside its file -- is never reused
+(an item written where the last save wrote it keeps that save's record of its place, which is the same).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
 
 from ...sharding.entries import GlobalTensor
 from ..checks.integrity import StoredStructure
@@ -65,6 +67,9 @@ class PlanMemo:
     pickler: MetadataPickler | None = None
     """``metadata``'s entries pickled once, for the metadata file of every save that reuses this memo
     (coordinator)."""
+    written: list[WriteResult] = field(default_factory=list)
+    """This rank's write results of the last save with this memo, in file order: a save that puts an item where
+    that one did reuses its result, so the metadata's storage items are the objects :attr:`pickler` holds."""
 
     def fresh_metadata(self) -> Metadata:
         """A metadata for this save's write to fill in: the planned entries, no storage items yet."""
