@@ -183,6 +183,10 @@ def test_gathered_writes_survive_short_writes_and_hash_every_byte_in_order(tmp_p
         return real_writev(fd, [first])
 
     monkeypatch.setattr(os, "writev", short_writev)
+    ranges: list[tuple[int, int]] = []
+    real_writeback = checksums.start_writeback
+    monkeypatch.setattr(checksums, "start_writeback", lambda fd, at, n: (ranges.append((at, n)),
+                                                                          real_writeback(fd, at, n)))
     fs = ChecksummingFileSystem()
     path = tmp_path / "__0_0.distcp"
     pieces = [bytes([i % 251]) * (i * 37 % 5000) for i in range(300)]
@@ -198,3 +202,6 @@ def test_gathered_writes_survive_short_writes_and_hash_every_byte_in_order(tmp_p
     record = fs.checksums([path], tmp_path)[path.name]
     assert record == {"size": len(expected), "checksum": checksum_file(path)}
     assert checksums._ordered_pool is not None
+    # Each batch's write-back to the disk was started right after it: the gathered bytes, where they lie.
+    first = len(b"".join(pieces[:150]))
+    assert ranges == [(0, first), (first + len(b"between"), len(expected) - first - len(b"between"))]

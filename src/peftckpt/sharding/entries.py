@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -27,9 +26,9 @@ from .layout import FusedChunks
 __all__ = ["Piece", "GlobalTensor", "LazyGlobalTensor", "global_tensor_of"]
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A local tensor (a view into live storage) and its offset in the global tensor."""
+class Piece(NamedTuple):
+    """A local tensor (a view into live storage) and its offset in the global tensor. (A named tuple: immutable,
+    and built in a fraction of a frozen dataclass's time -- a checkpoint builds one per stored piece.)"""
 
     offsets: tuple[int, ...]
     tensor: torch.Tensor
@@ -40,7 +39,7 @@ class GlobalTensor:
 
     def __init__(self, global_shape: Sequence[int], dtype: torch.dtype, pieces: Sequence[Piece],
                  requires_grad: bool = False, replicated: bool = False, frozen: bool = False):
-        self.global_shape = torch.Size(global_shape)
+        self.global_shape = global_shape if type(global_shape) is torch.Size else torch.Size(global_shape)
         self.dtype = dtype
         self.pieces = list(pieces)
         self.requires_grad = requires_grad
@@ -134,6 +133,10 @@ def global_tensor_of(t: torch.Tensor, fused: FusedChunks | None = None,
     """Describe a plain tensor (replicated), a DTensor (its shard), or a block-wise TP-sharded fused
     parameter (see :mod:`peftckpt.sharding.layout`) as a :class:`GlobalTensor` in canonical layout."""
     rg = bool(t.requires_grad if requires_grad is None else requires_grad)
+    kind = type(t)
+    if kind is torch.Tensor or kind is nn.Parameter:  # the usual case, told by type (a checkpoint wraps thousands)
+        return GlobalTensor(t.shape, t.dtype, [Piece((0,) * t.ndim, t.detach())], rg, replicated=True,
+                            frozen=kind is nn.Parameter and not t.requires_grad)
     frozen = isinstance(t, nn.Parameter) and not t.requires_grad
     if not isinstance(t, DTensor):
         return GlobalTensor(t.shape, t.dtype, [Piece((0,) * t.ndim, _local_view(t))], rg, replicated=True,

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from peftckpt.checkpoint.errors import CheckpointFormatError
 from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
 from peftckpt.checkpoint.storage.manifest import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, Manifest
+from peftckpt.checkpoint.storage.durable import start_writeback
 from peftckpt.checkpoint.storage.paths import recorded_file_problem
 from peftckpt.checkpoint.storage.preads import write_all
 
@@ -165,12 +166,14 @@ class _HashingRaw(io.RawIOBase):
         return n
 
     def write_many(self, views: Sequence[memoryview]) -> int:
-        """Write ``views`` (byte views) in order, all of them: one ``writev`` for a local file, one by one to a
+        """Write ``views`` (byte views) in order, all of them: one ``writev`` for a local file (whose write-back to
+        the disk starts at once, :func:`~peftckpt.checkpoint.storage.durable.start_writeback`), one by one to a
         stream (an object's upload). They are hashed on another thread, in order, while the caller goes on:
         their memory must not change before :meth:`settle` (which closing calls)."""
         self._hashed = _in_order_pool().submit(_update, self.digest, views)
-        if isinstance(self._raw, io.FileIO):
+        if isinstance(self._raw, io.FileIO):  # (written from its start, in order: ``written`` is where these go)
             total = write_all(self._raw.fileno(), views)
+            start_writeback(self._raw.fileno(), self.written, total)
         else:
             total = 0
             for view in views:
