@@ -14,6 +14,7 @@ import pytest
 
 from peftckpt.checkpoint.location.directory import read_tracker
 from peftckpt.checkpoint.location.names import TRACKER_FILENAME
+from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 
 from .cli import TINY, all_committed_verify, launch, no_worker_traceback, peftckpt, until
 
@@ -108,11 +109,15 @@ def test_a_damaged_data_file_is_said_once_under_torchrun(tmp_path: Path) -> None
     tp2 = ["--tensor-model-parallel-size", "2"]
     peftckpt(["train", *TINY, *tp2, "--train-iters", "2", "--save", str(save)], 2)
     data = save / "iter_0000002" / "__1_0.distcp"
+    # The middle byte of rank 1's largest model tensor (where items lie in the file is the .metadata's to say).
+    stored = load_dcp_metadata(save / "iter_0000002" / ".metadata").storage_data
+    key, info = max(((k.fqn, v) for k, v in stored.items() if v.relative_path == data.name
+                     and k.fqn.startswith("model.")), key=lambda kv: kv[1].length)
     raw = bytearray(data.read_bytes())
-    raw[len(raw) // 3] ^= 0x01
+    raw[info.offset + info.length // 2] ^= 0x01
     data.write_bytes(bytes(raw))
     load = peftckpt(["train", *TINY, *tp2, "--train-iters", "4", "--load", str(save)], 2, check=False)
     assert load.returncode != 0
     assert load.stderr.count("is damaged") == 1, load.stderr
-    assert f"{data}: xxh3_64 checksum mismatch in the bytes of 'model." in load.stderr
+    assert f"{data}: xxh3_64 checksum mismatch in the bytes of {key!r}" in load.stderr
     no_worker_traceback(load.stderr, 2)

@@ -118,6 +118,32 @@ def test_an_early_flushs_error_is_raised_by_the_fsync_that_follows(tmp_path: Pat
     assert str(path) not in durable._early
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_does_not_commit_joins_its_early_flushes_as_it_hands_its_files_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    """Rank 0 fsyncs the whole staging tree when it commits, but a failed fsync is reported only to the process that
+    made it: a rank k > 0 waits for its own files' early fsyncs when it hands them to the directory, so their error
+    fails the save from that rank; rank 0 leaves its own to the commit's fsync."""
+    from peftckpt.checkpoint.location.base import SaveTarget
+    from peftckpt.checkpoint.location.directory import Directory
+    from peftckpt.checkpoint.storage import durable
+
+    staging = tmp_path / ".staging.iter_0000001.tok"
+    staging.mkdir()
+    path = staging / f"__{rank}_0.distcp"
+    path.write_bytes(b"x" * 4096)
+    monkeypatch.setattr(durable, "_fsync", lambda p: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    durable.start_flush(path)
+    target = SaveTarget(1, staging.name, staging)
+    if rank:
+        with pytest.raises(OSError, match="Input/output error"):
+            Directory(tmp_path).upload(target, [path], rank)
+    else:
+        Directory(tmp_path).upload(target, [path], rank)  # (nothing waited for here ...)
+        with pytest.raises(OSError, match="Input/output error"):  # (... the commit's fsync raises it)
+            durable.fsync_file(path)
+
+
 def test_a_saves_data_files_are_flushed_early_and_joined_by_the_commit(tmp_path: Path) -> None:
     from peftckpt.checkpoint.storage import durable
 

@@ -234,7 +234,7 @@ class Location(ABC):
     @abstractmethod
     def upload(self, target: SaveTarget, files: list[Path], rank: int, keep: bool = False) -> None:
         """Make this rank's written ``files`` part of ``target`` (a store uploads them; ``keep``: leave the local
-        copies). A directory has nothing to do: the files are in place."""
+        copies). A directory has them in place already (ranks other than 0 make them durable)."""
 
     def stored_sizes(self, target: SaveTarget) -> dict[str, int] | None:
         """The sizes of ``target``'s files as the location holds them, where that differs from the local files

@@ -28,7 +28,7 @@ from typing import ClassVar
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..storage.byte_sources import FileSource
 from ..storage.checksums import verify_files
-from ..storage.durable import atomic_write_bytes, fsync_dir, fsync_tree
+from ..storage.durable import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree
 from ..storage.manifest import Manifest, read_manifest
 from ..storage.paths import read_regular_file
 from . import protocol
@@ -132,14 +132,20 @@ class Directory(Location):
         return SaveTarget(iteration, name, self.path / name)
 
     def upload(self, target: SaveTarget, files: list[Path], rank: int, keep: bool = False) -> None:
-        pass  # written in place
+        """Written in place. A rank other than 0, which fsyncs the staging tree as it commits, makes its own files
+        durable here: their writer started their fsyncs early (``durable.start_flush``), and an fsync error is
+        reported only to the process that fsynced, so this rank must fail the save with it, before the commit."""
+        if rank != 0:
+            for path in files:
+                fsync_file(path)
 
     def publish(self, target: SaveTarget, manifest_bytes: bytes, on_step: Callable[[str], None]) -> None:
         """Steps:
             1. Write the manifest into staging: still invisible (a crash leaves a staging directory that a later
                save cleans), so it needs no temp file and rename of its own.
-            2. fsync the whole staging tree: the data files (their writers do not fsync them), DCP's metadata and
-               the manifest at once, then the directory.
+            2. fsync the whole staging tree: the data files (rank 0's own waiting for the fsyncs their writer
+               started early; the other ranks' already durable), DCP's metadata and the manifest at once, then
+               the directory.
             3. If ``iter_N`` exists: rename it to ``.trash.replace.iter_N.<token>``.
             4. Rename staging to ``iter_N``; fsync the save directory (both renames become durable).
             5. Delete the trash of step 3.

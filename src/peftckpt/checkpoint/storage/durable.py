@@ -50,8 +50,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 def start_flush(path: str | os.PathLike[str]) -> None:
     """Start making ``path`` -- a file just written and closed, that a :func:`fsync_file` (a commit's) will make
     durable later -- durable now, on a background thread: the disk writes it back while the caller goes on, and
-    the later fsync finds it clean. That later :func:`fsync_file` joins this one and raises its error: an fsync
-    error is reported once, so it is never dropped here."""
+    the later fsync finds it clean. That later :func:`fsync_file` -- in this process: an fsync error is reported
+    once, to the process that fsynced -- joins this one and raises its error, so it is never dropped here."""
     global _early_pool
     key = os.path.abspath(path)
     with _early_lock:
