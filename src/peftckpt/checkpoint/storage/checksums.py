@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from peftckpt.checkpoint.errors import CheckpointFormatError
 from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
-from peftckpt.checkpoint.storage.manifest import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, Manifest
 from peftckpt.checkpoint.storage.durable import start_writeback
+from peftckpt.checkpoint.storage.manifest import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, Manifest
 from peftckpt.checkpoint.storage.paths import recorded_file_problem
 from peftckpt.checkpoint.storage.preads import write_all
 
