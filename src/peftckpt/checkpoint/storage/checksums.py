@@ -70,6 +70,8 @@ def _in_order_pool() -> ThreadPoolExecutor:
     if _ordered_pool is None:
         _ordered_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peftckpt-hash-in-order")
     return _ordered_pool
+
+
 _XXHASH = ("xxh3_128", "xxh3_64")
 
 
@@ -142,7 +144,8 @@ class _HashingRaw(io.RawIOBase):
         self._raw = raw
         self.digest = digest
         self.written = 0
-        self._hashed: Future[None] | None = None
+        self._hashing: list[Future[None]] = []
+        """The batches of :meth:`write_many` being hashed, in order."""
 
     def writable(self) -> bool:
         return True
@@ -170,7 +173,7 @@ class _HashingRaw(io.RawIOBase):
         the disk starts at once, :func:`~peftckpt.checkpoint.storage.durable.start_writeback`), one by one to a
         stream (an object's upload). They are hashed on another thread, in order, while the caller goes on:
         their memory must not change before :meth:`settle` (which closing calls)."""
-        self._hashed = _in_order_pool().submit(_update, self.digest, views)
+        self._hashing.append(_in_order_pool().submit(_update, self.digest, views))
         if isinstance(self._raw, io.FileIO):  # (written from its start, in order: ``written`` is where these go)
             total = write_all(self._raw.fileno(), views)
             start_writeback(self._raw.fileno(), self.written, total)
@@ -185,10 +188,10 @@ class _HashingRaw(io.RawIOBase):
         return total
 
     def settle(self) -> None:
-        """Wait until every byte written is hashed."""
-        if self._hashed is not None:
-            hashed, self._hashed = self._hashed, None
-            hashed.result()
+        """Wait until every byte written is hashed (raising a failed batch's error)."""
+        hashing, self._hashing = self._hashing, []
+        for batch in hashing:
+            batch.result()
 
     def tell(self) -> int:
         return self._raw.tell()

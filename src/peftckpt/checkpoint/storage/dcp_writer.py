@@ -7,8 +7,9 @@ takes the block digests of its bytes on the way, and ends the file with the bloc
 objects, loggers or pickling, and the items' bytes written a few MiB at a time by one vectored write, from the
 tensors' own memory. The file system's stream (a
 :class:`~peftckpt.checkpoint.storage.checksums.ChecksummingFileSystem` in a save) still sees every byte, so the
-manifest's whole-file checksum is taken while writing, as before (on another thread, in order). The written ``Metadata`` is kept
-(:attr:`FramedFileSystemWriter.metadata`) for the commit's whole-checkpoint check, which need not read it back.
+manifest's whole-file checksum is taken while writing, as before (on another thread, in order). The written
+``Metadata`` is kept (:attr:`FramedFileSystemWriter.metadata`) for the commit's whole-checkpoint check, which need
+not read it back.
 
 :func:`save_state_dict` runs DCP's save protocol (local plans, the coordinator's global plan and metadata, the
 writes, ``finish``) through DCP's own collective wrapper, as ``dcp.save`` does, minus what costs per key there

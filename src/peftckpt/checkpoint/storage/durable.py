@@ -1,7 +1,10 @@
-"""Durable local writes: fsync of files, directories and trees, and the atomic replace of a small file.
+"""Durable local writes: fsync of files, directories and trees, and the atomic replace of a small file; and a
+written file's way to the disk begun early, while the save goes on: the kernel's write-back of each batch as it is
+written (:func:`start_writeback`) and the file's fsync as soon as it is closed (:func:`start_flush`), which the
+commit's own fsync of the file then joins.
 
-Used by the commit protocol on a directory (:mod:`~peftckpt.checkpoint.location.directory`) and by the
-exports, which write HF directories with the same guarantees.
+Used by the commit protocol on a directory (:mod:`~peftckpt.checkpoint.location.directory`), by the framed DCP
+writer, and by the exports, which write HF directories with the same guarantees.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ kept memo: every entry and index, and every storage item in its old place, is a 
 items that moved and the small fields are new. The
 result is one ordinary pickle (memo indices in order, one ``STOP``) that stock ``pickle.load`` -- stock DCP --
 and the restricted reader load as DCP's own. It relies on the entries never being mutated once planned, as
-the plan memo does.
+the plan memo does, nor the storage items once written.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ def write_all(fd: int, views: Sequence[memoryview]) -> int:
     total, at = 0, 0
     while at < len(views):
         n = os.writev(fd, views[at:at + _IOV_MAX])
+        if n <= 0:
+            raise OSError(f"writev on fd {fd} wrote nothing")
         total += n
         while at < len(views) and n >= len(views[at]):
             n -= len(views[at])
