@@ -160,9 +160,7 @@ class _HashingRaw(io.RawIOBase):
             view = view[:_OVERLAP_BYTES * 64]
             hashed = overlap_pool().submit(self.digest.update, view)
             try:
-                n = 0
-                while n < len(view):
-                    n += self._raw.write(view[n:]) or 0
+                n = self._write_fully(view)
             finally:
                 hashed.result()
         self.written += n
@@ -178,14 +176,16 @@ class _HashingRaw(io.RawIOBase):
             total = write_all(self._raw.fileno(), views)
             start_writeback(self._raw.fileno(), self.written, total)
         else:
-            total = 0
-            for view in views:
-                n = 0
-                while n < len(view):
-                    n += self._raw.write(view[n:]) or 0
-                total += n
+            total = sum(self._write_fully(view) for view in views)
         self.written += total
         return total
+
+    def _write_fully(self, view: memoryview) -> int:
+        """All of ``view`` into the underlying file or stream (a raw write may take part of it)."""
+        n = 0
+        while n < len(view):
+            n += self._raw.write(view[n:]) or 0
+        return n
 
     def settle(self) -> None:
         """Wait until every byte written is hashed (raising a failed batch's error)."""
