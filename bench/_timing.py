@@ -10,6 +10,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from peftckpt.checkpoint.storage.durable import fsync_dir, fsync_file
 
-__all__ = ["Stat", "Ctx", "raw_write", "raw_read", "evict", "dir_bytes", "fsync_paths", "rmtree", "machine_info"]
+__all__ = ["Stat", "Ctx", "raw_write", "raw_read", "balanced_read", "evict", "dir_bytes", "fsync_paths", "rmtree", "machine_info"]
 
 RAW_BLOCK_BYTES = 16 << 20
 """Block size of the raw sequential write/read (one reused buffer)."""
@@ -160,6 +161,59 @@ def raw_read(path: Path, block: bytearray) -> int:
         while n := f.readinto(block):
             total += n
     return total
+
+
+def balanced_read(files: list[Path], readers: int = 2, fresh: bool = False) -> float:
+    """Seconds ``readers`` threads take to read ``files`` with equal shares of their bytes (reader ``i`` takes the
+    ``i``-th slice of the files laid end to end), as a load's ranks split a base; the page cache is evicted first.
+    Into one reused buffer each, or (``fresh``) into new memory the size of the share, advised huge pages as a
+    load's destinations are: the floor of any load that fills freshly allocated tensors."""
+    from peftckpt.checkpoint.storage.huge_pages import prefer_huge_pages
+
+    for f in files:
+        evict(f, "evict")
+    sizes = [f.stat().st_size for f in files]
+    total = sum(sizes)
+
+    def read(i: int) -> None:
+        lo, hi = i * total // readers, (i + 1) * total // readers
+        block = torch.empty(hi - lo if fresh else RAW_BLOCK_BYTES, dtype=torch.uint8)
+        prefer_huge_pages([block])
+        view = memoryview(block.numpy()) if block.numel() else memoryview(b"")
+        at, got = 0, 0
+        for f, size in zip(files, sizes):
+            a, b = max(lo, at), min(hi, at + size)
+            if a < b:
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    while a < b:
+                        n = min(b - a, RAW_BLOCK_BYTES)
+                        into = view[got:got + n] if fresh else view[:n]
+                        k = os.preadv(fd, [into], a - at)
+                        if k <= 0:
+                            raise EOFError(f"{f}: nothing read at {a - at}")
+                        a, got = a + k, got + k
+                finally:
+                    os.close(fd)
+            at += size
+
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            read(i)
+        except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+            errors.append(e)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
 
 
 def dir_bytes(path: Path) -> int:

@@ -33,6 +33,7 @@ from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting
 from .state.sections import MODEL
 from .storage.checkpoint_files import CheckpointFiles
 from .storage.formats import StoredCheckpoint, storage_format
+from .storage.huge_pages import prefer_huge_pages
 
 __all__ = ["BaseLoads"]
 
@@ -81,6 +82,7 @@ class BaseLoads(Loads):
                 + (f"{source} holds tensors of other shapes than this model's:\n" + "\n".join(wrong[:10])
                    if wrong else ""))
         self.comm.agree(error)
+        prefer_huge_pages(p.tensor for k, e in request.items() if k in shapes for p in e.pieces)  # before 1st touch
         with self._fingerprinting_base({} if then is not None else request) as fingerprinting:
             try:
                 with torch.no_grad():

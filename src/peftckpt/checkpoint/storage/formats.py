@@ -42,6 +42,7 @@ from .byte_sources import ByteSource
 from .checksums import ChecksummingFileSystem, StreamTo
 from .dcp_reader import RangedFileSystemReader, load_state_dict
 from .dcp_writer import FramedFileSystemWriter, save_state_dict
+from .huge_pages import prefer_huge_pages
 from .key_listing import KeyListing, list_dcp_keys, list_legacy_keys
 from .legacy import LegacyRankFile, rank_file, save_rank_file
 from .manifest import TORCH, TORCH_DIST, Manifest
@@ -316,6 +317,7 @@ class _DcpCheckpoint:
 
     def read(self, request: dict[str, Any], on_piece: Callable[[str, tuple[int, ...], torch.Tensor], None] | None = None
              ) -> list[str]:
+        prefer_huge_pages(p.tensor for v in request.values() for p in getattr(v, "pieces", ()))  # before 1st touch
         load_state_dict(request, self._reader, EntryLoadPlanner(on_piece), self._group)
         return self._reader.problems
 
