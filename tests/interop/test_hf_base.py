@@ -33,6 +33,10 @@ def test_hf_directory_as_base_trains_exactly_like_its_import(lora_run: Path, hf_
     reference_dir, _ = resolve_checkpoint_dir(lora_run)
     reference = read_dcp_tensors(reference_dir)
     fingerprint = read_manifest(reference_dir).base_fingerprint
+    # import-hf recorded every tensor's fingerprint sums: the run on it took them (its reads verified), the runs
+    # on the HF directory below sum what they read, and the fingerprints agree
+    imported = read_manifest(resolve_checkpoint_dir(base)[0])
+    assert imported.base_sums is not None and sorted(imported.base_sums) == sorted(imported.saved_keys)
     for source in (hf_dir, sharded):
         save = tmp_path / f"lora-{source.name}"
         proc = peftckpt(["train", "--pretrained-checkpoint", str(source), "--data-path", str(data), *LORA,

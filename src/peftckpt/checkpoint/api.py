@@ -171,7 +171,7 @@ class Checkpointer:
     def base_changed(self) -> None:
         """Say that the frozen parameters changed since they were loaded (quantized, say): the base fingerprint
         the load took is dropped, and taken again from the parameters when a save or a load needs it."""
-        self.parts.fingerprints.clear()
+        self.parts.base_changed()
 
     @gc_paused
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],

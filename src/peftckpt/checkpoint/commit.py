@@ -21,6 +21,7 @@ from .location import protocol
 from .location.base import Location, SaveTarget
 from .location.names import iteration_dirname
 from .options import SaveOptions
+from .state.fingerprint import FINGERPRINT_VERSION
 from .storage.checksums import checksum_files
 from .storage.formats import Written, storage_format
 from .storage.manifest import Manifest
@@ -49,6 +50,8 @@ class PendingCommit:
     model_config: dict[str, Any]
     adapter_config: dict[str, Any] | None
     args: dict[str, Any] = field(default_factory=dict)
+    base_sums: dict[str, list[int]] = field(default_factory=dict)
+    """The frozen base's per-key fingerprint sums the checkpointer knows (recorded by a full save)."""
     written: Written = field(default_factory=Written)
     """What this rank's write produced (digests, DCP metadata; an async write's future)."""
     handed_over: dict[str, Any] | None = None
@@ -186,5 +189,7 @@ def build_manifest(c: PendingCommit, records: list[tuple[dict[str, Any], dict[st
         format=c.options.ckpt_format, iteration=c.iteration, sections=c.sections, layout=c.layout,
         model_config=c.model_config, trainable_only=c.options.trainable_only, saved_keys=saved_keys,
         excluded_keys=excluded_keys, adapter_config=c.adapter_config, base_fingerprint=c.fingerprint,
+        base_sums=None if excluded_keys else ({k: [FINGERPRINT_VERSION, *v] for k, v in sorted(c.base_sums.items())
+                                              if k in saved_keys} or None),
         files=files, args=c.args,
     )

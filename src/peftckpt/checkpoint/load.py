@@ -194,7 +194,7 @@ class Loads:
             k: self.parts.layout.get(k) for k in ("tp", "pp", "dp", "vpp")}
         object_keys = [] if model_only else list(options.objects)
         if not manifest.trainable_only:
-            self.parts.fingerprints.clear()  # a full checkpoint replaces the base too
+            self.parts.base_changed()  # a full checkpoint replaces the base too
         # 4.
         stored = self._open(fmt, verification, manifest, options)
         self.comm.agree(shape_mismatch(request, stored.tensor_shapes, ckpt))

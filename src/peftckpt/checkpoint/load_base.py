@@ -34,6 +34,7 @@ from .state.sections import MODEL
 from .storage.checkpoint_files import CheckpointFiles
 from .storage.formats import StoredCheckpoint, storage_format
 from .storage.huge_pages import prefer_huge_pages
+from .storage.manifest import Manifest
 
 __all__ = ["BaseLoads"]
 
@@ -60,7 +61,7 @@ class BaseLoads(Loads):
                     request[key].pieces = []  # this load's last reference to the tensor: it may go now
                 then(key)
         self._finish_read(verification, problems, error)
-        self.parts.fingerprints.clear()
+        self.parts.base_changed()
         self.base_fingerprint_wait_s = None
 
     def load_base_tensors(self, source: str, shapes: Mapping[str, Sequence[int]],
@@ -103,23 +104,26 @@ class BaseLoads(Loads):
                 error = CheckpointIntegrityError(f"{source} cannot be read: {e}")
             self.comm.agree(error)
         if then is not None:  # the tensors changed after they were read: fingerprinted from the model when needed
-            self.parts.fingerprints.clear()
+            self.parts.base_changed()
             self.base_fingerprint_wait_s = None
         return absent
 
     @contextlib.contextmanager
-    def _fingerprinting_base(self, request: Mapping[str, Any]) -> Iterator[Fingerprinting]:
+    def _fingerprinting_base(self, request: Mapping[str, Any], known: Mapping[str, Sequence[int]] | None = None
+                             ) -> Iterator[Fingerprinting]:
         """The fingerprint of the base a load is writing into the model, fed piece by piece as the load reads
-        them (hashing overlaps the reading), and cached once the load succeeded (collective)."""
-        self.parts.fingerprints.clear()  # the base changes
+        them (hashing overlaps the reading; ``known``: keys whose sums are not taken again, see
+        :func:`recorded_sums`), and cached with its per-key sums once the load succeeded (collective)."""
+        self.parts.base_changed()  # the base changes
         fingerprinting = Fingerprinting({k: v for k, v in request.items() if isinstance(v, GlobalTensor)
-                                         and v.frozen}, self.comm.distributed, group=self.comm.group)
+                                         and v.frozen}, self.comm.distributed, group=self.comm.group, known=known)
         try:
             yield fingerprinting
         except BaseException:
             fingerprinting.close()
             raise
         self.parts.fingerprints[FINGERPRINT_VERSION] = fingerprinting.result()
+        self.parts.base_sums = fingerprinting.key_sums
         self.base_fingerprint_wait_s = fingerprinting.wait_s
 
     def load_pretrained(self, path: str | os.PathLike[str], options: LoadOptions | None = None,
@@ -158,11 +162,29 @@ class BaseLoads(Loads):
         for k in absent:
             request.pop(k)
         if then is None:
-            with self._fingerprinting_base(request) as fingerprinting:
+            with self._fingerprinting_base(request, recorded_sums(manifest, request, options)) as fingerprinting:
                 self._read(request, stored, verification, fingerprinting)
         else:
             self._read_then(request, stored, verification, then)
         return LoadResult(ckpt, manifest.iteration, manifest, {}, KeyReport(unexpected=sorted(absent)))
+
+
+def recorded_sums(manifest: Manifest, request: Mapping[str, Any], options: LoadOptions) -> dict[str, list[int]]:
+    """The fingerprint sums a base checkpoint recorded (``base_sums``) that hold for the tensors a load puts into
+    the model, so that the load need not sum their bytes again: only where the load verifies what it reads
+    against the checksums (the bytes are then the ones the sums were taken of; ``verify_checksums=False`` sums
+    them), only of this fingerprint version, and only for tensors held in the dtype they are stored in (a
+    conversion may change the values)."""
+    if not options.verify_checksums or not manifest.base_sums:
+        return {}
+    out = {}
+    for key, record in manifest.base_sums.items():
+        entry = request.get(key)
+        stored = manifest.saved_keys.get(key, {}).get("dtype")
+        if isinstance(entry, GlobalTensor) and record[0] == FINGERPRINT_VERSION and \
+                stored == str(entry.dtype).removeprefix("torch."):
+            out[key] = list(record[1:])
+    return out
 
 
 _BATCH_ELEMENTS = 1 << 24

@@ -47,6 +47,14 @@ class RankParts:
         self.adapter_config = None if adapter_config is None else dict(adapter_config)
         self.fingerprints: dict[int, str] = {}
         """The fingerprint of the frozen parameters, per version (the base changes only through a load)."""
+        self.base_sums: dict[str, list[int]] = {}
+        """The per-key sums of :data:`FINGERPRINT_VERSION` behind ``fingerprints``, where a base load took them (a
+        full save records them, so that a load of it as a base need not sum its bytes again)."""
+
+    def base_changed(self) -> None:
+        """The frozen parameters changed (a load, a quantization): what was taken of them is dropped."""
+        self.fingerprints.clear()
+        self.base_sums = {}
 
     def model_sections(self) -> dict[str, dict[str, Any]]:
         return {name: model_entries(c) for name, c in zip(model_section_names(len(self.chunks)), self.chunks)}

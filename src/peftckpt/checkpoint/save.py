@@ -252,6 +252,7 @@ class Saves:
             state = p.build(options.trainable_only, options.save_optim, objects, options.save_rng, held, rng)
             flat, commit.kept, commit.excluded = state.entries, state.kept, state.excluded
             commit.fingerprint = p.fingerprint() if options.trainable_only else None
+            commit.base_sums = p.base_sums
         except CheckpointError as e:
             error = e
         comm.agree(error)

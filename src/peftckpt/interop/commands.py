@@ -23,7 +23,8 @@ from ..checkpoint.errors import CheckpointError, CheckpointMismatchError
 from ..checkpoint.location.directory import Directory
 from ..checkpoint.location.locate import locate, manifest_at
 from ..checkpoint.location.urls import local_only_problem
-from ..checkpoint.state.fingerprint import fingerprint_version
+from ..checkpoint.state.fingerprint import fingerprint_version, tensor_sums
+from ..checkpoint.state.sections import MODEL, dcp_key
 from ..checkpoint.tools.offline import (
     OfflineCheckpoint,
     TensorSource,
@@ -105,11 +106,13 @@ def import_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], dtype
         source = NF4Base(hf, _nf4_linears(hf), dtype)
         model_config[QUANTIZATION_KEY] = nf4.record()
     with _checkpoint_output(out) as out_dir:
+        sums: dict[str, list[int]] = {}  # each tensor's fingerprint sums, taken as it is written
         entries = {name: LazyGlobalTensor(shape, held if NF4Base.is_part(name) else dtype or held,
-                                          functools.partial(_read_as, source, name, dtype))
+                                          functools.partial(_read_summed, source, name, dtype, sums))
                    for name, (shape, held) in source.model_shapes().items()}
         args = {"source": "import-hf", "hf_dir": str(Path(hf_dir).absolute())}
         ckpt = Checkpointer([_StreamedChunk(entries)], None, layout=_SINGLE, coords=_COORDS, model_config=model_config)
+        ckpt.parts.base_sums = sums  # recorded by the save: a load of the base verifies its bytes, not sums them
         try:
             return ckpt.save(out_dir, 0, {}, SaveOptions(save_optim=False, save_rng=False), args=args)
         finally:
@@ -127,6 +130,14 @@ def _nf4_linears(hf: HFModelDir) -> list[str]:
         if problem is not None:
             raise InteropError(f"--base-quantization nf4: {hf.path} {name}: {problem}; nothing was written")
     return linears
+
+
+def _read_summed(source: HFModelDir | NF4Base, name: str, dtype: torch.dtype | None, sums: dict[str, list[int]]
+                 ) -> torch.Tensor:
+    """:func:`_read_as`, its fingerprint sums put in ``sums`` under its checkpoint key."""
+    tensor = _read_as(source, name, dtype)
+    sums[dcp_key(MODEL, name)] = tensor_sums(tensor)
+    return tensor
 
 
 def _read_as(source: HFModelDir | NF4Base, name: str, dtype: torch.dtype | None) -> torch.Tensor:

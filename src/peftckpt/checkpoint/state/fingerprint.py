@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from ...sharding.entries import GlobalTensor
 from .fingerprint_sums import U64, WIDTH, segment_sums
 
-__all__ = ["FINGERPRINT_VERSION", "Fingerprinting", "base_fingerprint", "fingerprint_version"]
+__all__ = ["FINGERPRINT_VERSION", "Fingerprinting", "base_fingerprint", "fingerprint_version", "tensor_sums"]
 
 FINGERPRINT_VERSION = 4
 """Version of new fingerprints (see the module docstring)."""
@@ -106,18 +106,23 @@ class Fingerprinting:
     """A fingerprint being computed: :meth:`add` each piece of the given entries once its values are final
     (on any thread; this rank sums the pieces it owns in a thread pool), then :meth:`result`.
 
+    ``known``: per-key sums already established for this version (recorded by the checkpoint the pieces are read
+    from, whose bytes the read verified), offered for this rank's keys: a key every rank holding it offered is
+    not summed again.
+
     Construction and :meth:`result` are collective over ``group`` when ``distributed``."""
 
     def __init__(self, frozen: dict[str, GlobalTensor], distributed: bool, version: int = FINGERPRINT_VERSION,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, known: Mapping[str, Sequence[int]] | None = None):
         if version not in WIDTH:
             raise ValueError(f"unknown fingerprint version {version}")
         self.version = version
         self.distributed = distributed
         self.group = group
-        # this rank's non-empty pieces and the records of its keys, from every rank in one gather
+        # this rank's non-empty pieces, the records of its keys and the sums it offers, from every rank in one gather
+        offered = {k: [int(x) & U64 for x in v] for k, v in (known or {}).items() if k in frozen}
         mine = (sorted((k, p.offsets) for k, e in frozen.items() for p in e.pieces if p.tensor.numel()),
-                {k: _record(e, version) for k, e in frozen.items()})
+                {k: _record(e, version) for k, e in frozen.items()}, offered)
         if distributed:
             everyone: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, mine, group=group)
@@ -125,12 +130,20 @@ class Fingerprinting:
         else:
             everyone, rank = [mine], 0
         owner: dict[tuple[str, tuple[int, ...]], int] = {}
+        holders: dict[str, set[int]] = {}
         self._records: dict[str, list[object]] = {}
-        for r, (pieces, records) in enumerate(everyone):
+        for r, (pieces, records, _) in enumerate(everyone):
             for k, off in pieces:
                 owner.setdefault((k, tuple(off)), r)
+                holders.setdefault(k, set()).add(r)
             self._records.update(records)
-        self._mine = {key for key, r in owner.items() if r == rank}
+        # a key's offered sums are taken where every rank holding a piece of it offered them (each rank vouches
+        # for its own pieces: the same decision on every rank), else its pieces are summed
+        self._known = {k: everyone[min(ranks)][2][k] for k, ranks in holders.items()
+                       if all(k in everyone[r][2] for r in ranks)}
+        self._mine = {key for key, r in owner.items() if r == rank and key[0] not in self._known}
+        self.key_sums: dict[str, list[int]] = {}
+        """Every key's sums once :meth:`result` returned (what a full save records for a later load)."""
         self._shapes = {k: e.global_shape for k, e in frozen.items()}
         self._sums: dict[str, list[int]] = {}
         self._futures: list[tuple[str, Future[list[int]]]] = []
@@ -183,7 +196,8 @@ class Fingerprinting:
                 sums[i] = torch.tensor([x - (1 << 64) if x >= (1 << 63) else x for x in self._sums[k]])
         if self.distributed:
             dist.all_reduce(sums, group=self.group)
-        values = [[x & U64 for x in row] for row in sums.tolist()]
+        values = [self._known.get(k) or [x & U64 for x in row] for k, row in zip(keys, sums.tolist())]
+        self.key_sums = dict(zip(keys, values))
         width1 = self.version < 3  # versions 1 and 2 recorded one signed sum per tensor
         payload = json.dumps([[k, self._records[k], (row[0] if row[0] < (1 << 63) else row[0] - (1 << 64))
                                if width1 else row] for k, row in zip(keys, values)]).encode()
@@ -213,6 +227,15 @@ def base_fingerprint(frozen: dict[str, GlobalTensor], distributed: bool, version
         job.close()
         raise
     return job.result()
+
+
+def tensor_sums(tensor: torch.Tensor, version: int = FINGERPRINT_VERSION) -> list[int]:
+    """The sums ``version`` defines of one whole tensor (what :class:`Fingerprinting` sums over its pieces)."""
+    total = [0] * WIDTH[version]
+    if tensor.numel():
+        for rows, starts in _segments(tensor, (0,) * tensor.dim(), tensor.shape, version):
+            total = [(a + b) & U64 for a, b in zip(total, segment_sums(rows, starts, version))]
+    return total
 
 
 def _record(entry: GlobalTensor, version: int) -> list[object]:

@@ -85,6 +85,11 @@ class Manifest:
     """The adapter (LoRA) configuration, or ``None`` for a model without adapters."""
     base_fingerprint: str | None = None
     """Layout-independent fingerprint of the frozen base weights, or ``None`` when not computed."""
+    base_sums: dict[str, list[int]] | None = None
+    """A full checkpoint's per-tensor fingerprint sums, where the save knew them (``import-hf`` takes them as it
+    writes; a run's full save records those its base load took): key -> ``[version, sum, ...]``. A load of the
+    checkpoint as a base that verifies what it reads takes them instead of summing those bytes again. Optional
+    (checkpoints before it lack it)."""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Every other file of the checkpoint: POSIX relative path -> ``{"size": int, "checksum": str}``."""
     checksum_algorithm: str = CHECKSUM_ALGORITHM
@@ -155,7 +160,7 @@ class Manifest:
             )
         problems = []
         names = {f.name for f in fields(cls)}
-        missing = sorted(names - raw.keys())
+        missing = sorted(names - raw.keys() - _OPTIONAL_FIELDS)
         if missing:
             problems.append(f"missing field(s) {', '.join(missing)}")
         for name, check, expected in _FIELD_CHECKS:
@@ -174,10 +179,12 @@ class Manifest:
             problems.extend(_check_file_records(raw["files"]))
         if problems:
             raise CheckpointFormatError(f"manifest {source} is malformed: " + "; ".join(problems))
-        return cls(**{name: raw[name] for name in names})
+        return cls(**{name: raw[name] for name in names if name in raw})
 
 
 SELF_CHECKSUM_KEY = "manifest_sha256"
+_OPTIONAL_FIELDS = {"base_sums"}
+"""Fields added after format version 1 was fixed: a manifest without them reads as their default."""
 
 
 _ENCODE = json.JSONEncoder(sort_keys=True, allow_nan=False).encode
@@ -227,6 +234,9 @@ _FIELD_CHECKS: tuple[tuple[str, Any, str], ...] = (
     ("excluded_keys", _is_str_dict, "an object"),
     ("adapter_config", lambda v: v is None or _is_str_dict(v), "an object or null"),
     ("base_fingerprint", lambda v: v is None or isinstance(v, str), "a string or null"),
+    ("base_sums", lambda v: v is None or (_is_str_dict(v) and all(
+        isinstance(r, list) and len(r) >= 2 and all(_is_int(x) and x >= 0 for x in r) for r in v.values())),
+     "null or an object of lists of ints >= 0"),
     ("files", _is_str_dict, "an object"),
     ("checksum_algorithm", lambda v: isinstance(v, str), "a string"),
     ("args", _is_str_dict, "an object"),
