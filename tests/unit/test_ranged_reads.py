@@ -87,10 +87,43 @@ def test_large_column_slices_are_read_in_runs_of_rows_through_one_buffer(saved: 
     monkeypatch.setattr(dcp_reader, "_BOUNCE_BYTES", 300_000)  # ~73 rows of 4 KiB per run
     got, reader = _read(ckpt, (5, 100), (1000, 900))
     assert torch.equal(got, weight[5:1005, 100:1000])
-    assert reader.problems == [] and reader._buffer is not None and reader._buffer.numel() == 300_000
+    assert reader.problems == [] and reader._buffers._made == 1 and reader._buffers.nbytes == 300_000
     # every block read is read whole and verified: at most one block more per run, at each end
     runs = -(-1000 // (300_000 // (COLS * 4)))
     assert 1000 * COLS * 4 <= reader.bytes_read <= 1000 * COLS * 4 + 2 * runs * BLOCK_BYTES
+
+
+def test_reads_through_buffers_share_a_few_of_them() -> None:
+    """Buffered reads run on the read threads: each holds one buffer, at most ``count`` exist, all reused."""
+    import threading
+    import time
+
+    from peftckpt.checkpoint.storage.bounce_buffers import BounceBuffers
+
+    buffers = BounceBuffers(3, 1000)
+    held: list[int] = []
+    peak: list[int] = []
+    lock = threading.Lock()
+
+    def read() -> None:
+        for _ in range(20):
+            with buffers.take(600) as buffer:
+                assert buffer.numel() == 600
+                with lock:
+                    held.append(buffer.data_ptr())
+                    peak.append(len(held))
+                time.sleep(0.001)
+                with lock:
+                    held.remove(buffer.data_ptr())
+
+    threads = [threading.Thread(target=read) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert max(peak) <= 3 and buffers._made == 3
+    with buffers.take(5000) as larger:  # a row longer than a buffer: memory of its own
+        assert larger.numel() == 5000 and buffers._made == 3
 
 
 def test_damage_is_found_in_what_is_read_and_named(saved: tuple[Path, torch.Tensor], tmp_path: Path) -> None:

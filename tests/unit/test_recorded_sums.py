@@ -14,7 +14,12 @@ from peftckpt import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointFormatError
 from peftckpt.checkpoint.location.directory import resolve_checkpoint_dir
 from peftckpt.checkpoint.state import fingerprint as fingerprint_module
-from peftckpt.checkpoint.state.fingerprint import FINGERPRINT_VERSION, Fingerprinting, base_fingerprint, tensor_sums
+from peftckpt.checkpoint.state.fingerprint import (
+    FINGERPRINT_VERSION,
+    Fingerprinting,
+    base_fingerprint,
+    tensor_sums,
+)
 from peftckpt.checkpoint.storage.manifest import Manifest, read_manifest
 from peftckpt.sharding.entries import GlobalTensor, Piece
 

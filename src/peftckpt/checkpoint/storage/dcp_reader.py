@@ -9,16 +9,16 @@ file (:mod:`~peftckpt.checkpoint.storage.framing`):
    row-sharded piece, the span of rows a column split touches -- widened to whole verification blocks.
 2. Where the region is contiguous in the file and the destination is a contiguous tensor of the stored dtype
    (the common case: a whole item, or rows of one), one ``preadv`` puts the bytes straight into the destination's
-   memory, the block edges into small side buffers. Otherwise the span goes into a reused buffer and the region
-   is copied out of it (a column split, in runs of rows that fit the buffer; a dtype change).
+   memory, the block edges into small side buffers. Otherwise the span goes into one of a few reused buffers and
+   the region is copied out of it (a column split, a dtype change; in runs of rows that fit a buffer).
 3. Every block read is checked against its recorded XXH3-64 digest (a whole item's framing too); a mismatch is
    a problem naming the file and the key (:attr:`problems`), reported by the load after the read, as the
    whole-file checksums were.
 
 Nothing read is dropped from the page cache: the other TP ranks read the same rows of a column split, and DP
 replicas the same pieces, at about the same time (dropping them made the ranks read 1.25x the base from the disk).
-Several direct reads are in flight (a small pool; ``preadv`` releases the GIL; a failed read drops those queued);
-reads through a buffer run one at a time, so a load holds at most one such buffer. Objects are read whole and go
+Several reads are in flight (a small pool; ``preadv`` releases the GIL; a failed read drops those queued), reads
+through a buffer among them, each holding one of the pool's buffers (:mod:`.bounce_buffers`) while it runs. Objects are read whole and go
 through the safe ``torch.load(weights_only=True)`` of :class:`SafeFileSystemReader`. Files without a block index
 (stock DCP's, earlier peftckpt's), items the index does not list, and a file whose index is damaged (reported,
 when verifying) are read by the stock path -- or, off the local disk, by each item's recorded byte range.
@@ -32,6 +32,7 @@ item and chunk, or the stock path reads that item.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.futures import Future
 
+from .bounce_buffers import BounceBuffers
 from .byte_sources import ByteSource, FileSource, read_when_ready
 from .framing import (
     BLOCK_BYTES,
@@ -117,7 +119,7 @@ class RangedFileSystemReader(SafeFileSystemReader):
         """Data files (names) opened through ``sources`` without a block index: not verified by the reads."""
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, list[int]]] = {}
         self._lock = threading.Lock()
-        self._buffer: torch.Tensor | None = None
+        self._buffers = BounceBuffers(_READ_THREADS, _BOUNCE_BYTES)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -187,12 +189,8 @@ class RangedFileSystemReader(SafeFileSystemReader):
                 # a tensor torch.save framed (too large, or an unusual dtype): whole, one at a time
                 self._load_record(item, self._read_whole(source, item, entry), planner, safe)
             else:
-                target = planner.resolve_tensor(item).detach()
-                if self._direct(item, entry, target):
-                    jobs.append((item, read_when_ready(pool, source, span, self._read_tensor, source, item, entry,
-                                                       target)))
-                else:  # through a buffer the size of the span: one at a time bounds the memory
-                    planner.commit_tensor(item, self._read_tensor(source, item, entry, target))
+                target = planner.resolve_tensor(item).detach()  # straight into it, or through a bounce buffer
+                jobs.append((item, read_when_ready(pool, source, span, self._read_tensor, source, item, entry, target)))
         items_of = {job: item for item, job in jobs}
         # The planner is told on this thread: in order, or from a store (parts arrive in any order) as reads finish.
         for job in as_completed(items_of) if source.fetches_ahead else items_of:
@@ -327,8 +325,9 @@ class RangedFileSystemReader(SafeFileSystemReader):
         dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
         span, contiguous = self._span(entry, item, dtype, sizes)
         rows = item.lengths[0] if item.lengths else 1
-        if not contiguous and rows > 1 and span.end - span.start > _BOUNCE_BYTES:
-            # A large strided region (a column split): in runs of whole rows, through one reused buffer
+        direct = self._direct(item, entry, target)
+        if not direct and rows > 1 and span.end - span.start > _BOUNCE_BYTES:
+            # A large region through a buffer (a column split, a dtype change): in runs of rows that fit one
             per_run = max(1, rows * _BOUNCE_BYTES // (span.end - span.start))
             for first in range(0, rows, per_run):
                 n = min(per_run, rows - first)
@@ -346,34 +345,24 @@ class RangedFileSystemReader(SafeFileSystemReader):
         tail_len = entry.offset + entry.length - entry.data_offset - entry.data_length if whole else (
             span.block_end - span.end)
         at = entry.offset if whole else entry.data_offset + span.block_start
-        direct = self._direct(item, entry, target)
         head, tail = memoryview(bytearray(head_len)), memoryview(bytearray(tail_len))
-        bounce = None if direct else self._bounce(span.end - span.start)
-        body = tensor_bytes(target if bounce is None else bounce)  # the destination's memory, or the bounce's
-        expected = head_len + len(body) + tail_len
-        n = source.read_into([head, body, tail], at)
-        self._count(n)
-        if n != expected:
-            raise EOFError(f"{source.name}: {expected} bytes of {item.storage_index.fqn!r} at offset {at} expected, "
-                           f"{n} read")
-        if self.verify:
-            self._verify(source.name, item, entry, span, whole, [head, body, tail])
-        if bounce is not None:
-            typed = bounce.view(dtype) if bounce.numel() else torch.empty(0, dtype=dtype)
-            strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
-            region = typed.as_strided(list(item.lengths), strides, typed.storage_offset()) if typed.numel() else \
-                typed.reshape(list(item.lengths))
-            target.copy_(region)
+        with contextlib.nullcontext() if direct else self._buffers.take(span.end - span.start) as bounce:
+            body = tensor_bytes(target if bounce is None else bounce)  # the destination's memory, or the bounce's
+            expected = head_len + len(body) + tail_len
+            n = source.read_into([head, body, tail], at)
+            self._count(n)
+            if n != expected:
+                raise EOFError(f"{source.name}: {expected} bytes of {item.storage_index.fqn!r} at offset {at} "
+                               f"expected, {n} read")
+            if self.verify:
+                self._verify(source.name, item, entry, span, whole, [head, body, tail])
+            if bounce is not None:
+                typed = bounce.view(dtype) if bounce.numel() else torch.empty(0, dtype=dtype)
+                strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
+                region = typed.as_strided(list(item.lengths), strides, typed.storage_offset()) if typed.numel() \
+                    else typed.reshape(list(item.lengths))
+                target.copy_(region)
         return target
-
-    def _bounce(self, nbytes: int) -> torch.Tensor:
-        """A buffer for a read that cannot land in its destination: the reused one where it fits (buffered reads
-        run one at a time, on the calling thread)."""
-        if nbytes > _BOUNCE_BYTES:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        if self._buffer is None:
-            self._buffer = torch.empty(_BOUNCE_BYTES, dtype=torch.uint8)
-        return self._buffer[:nbytes]
 
     def _verify(self, path: str, item: ReadItem, entry: IndexedItem, span: _Span, whole: bool,
                 segments: list[memoryview]) -> None:
