@@ -13,6 +13,7 @@ from torch import nn
 from peftckpt import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointFormatError
 from peftckpt.checkpoint.location.directory import resolve_checkpoint_dir
+from peftckpt.checkpoint.location.names import MANIFEST_FILENAME
 from peftckpt.checkpoint.state import fingerprint as fingerprint_module
 from peftckpt.checkpoint.state.fingerprint import (
     FINGERPRINT_VERSION,
@@ -99,6 +100,15 @@ def test_a_base_load_takes_the_sums_its_checkpoint_recorded(tmp_path: Path, summ
         fresh.load_pretrained(tmp_path / "second", options)
         assert sum(summed) == sums_again, options
         assert fresh.parts.fingerprint() == expected, options
+    # Records of another version or width are not taken: those tensors are summed.
+    path = resolve_checkpoint_dir(tmp_path / "second")[0] / MANIFEST_FILENAME
+    manifest = read_manifest(path.parent)
+    manifest.base_sums = {"model.w1": [FINGERPRINT_VERSION, 5], "model.w2": [3, *recorded["model.w2"][1:]]}
+    path.write_bytes(manifest.to_json())
+    other = Checkpointer(_Model(2))
+    summed.clear()
+    other.load_pretrained(tmp_path / "second")
+    assert sum(summed) == 64 * 96 + 40 * 64 and other.parts.fingerprint() == expected
     # Held in another dtype than stored (a conversion may change values): summed from what the model holds.
     narrow = Checkpointer(_Model(2, torch.bfloat16))
     summed.clear()

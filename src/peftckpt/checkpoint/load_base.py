@@ -30,6 +30,7 @@ from .errors import (
 from .load import Loads, ReadVerification
 from .options import LoadOptions, LoadResult
 from .state.fingerprint import FINGERPRINT_VERSION, Fingerprinting
+from .state.fingerprint_sums import WIDTH
 from .state.sections import MODEL
 from .storage.checkpoint_files import CheckpointFiles
 from .storage.formats import StoredCheckpoint, storage_format
@@ -182,7 +183,7 @@ def recorded_sums(manifest: Manifest, request: Mapping[str, Any], options: LoadO
         entry = request.get(key)
         stored = manifest.saved_keys.get(key, {}).get("dtype")
         if isinstance(entry, GlobalTensor) and record[0] == FINGERPRINT_VERSION and \
-                stored == str(entry.dtype).removeprefix("torch."):
+                len(record) == 1 + WIDTH[FINGERPRINT_VERSION] and stored == str(entry.dtype).removeprefix("torch."):
             out[key] = list(record[1:])
     return out
 
