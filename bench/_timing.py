@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from peftckpt.checkpoint.storage.durable import fsync_dir, fsync_file
+from peftckpt.checkpoint.storage.preads import read_exactly
 
 __all__ = ["Stat", "Ctx", "raw_write", "raw_read", "balanced_read", "evict", "dir_bytes", "fsync_paths", "rmtree", "machine_info"]
 
@@ -188,11 +189,9 @@ def balanced_read(files: list[Path], readers: int = 2, fresh: bool = False) -> f
                 try:
                     while a < b:
                         n = min(b - a, RAW_BLOCK_BYTES)
-                        into = view[got:got + n] if fresh else view[:n]
-                        k = os.preadv(fd, [into], a - at)
-                        if k <= 0:
-                            raise EOFError(f"{f}: nothing read at {a - at}")
-                        a, got = a + k, got + k
+                        if read_exactly(fd, [view[got:got + n] if fresh else view[:n]], a - at) != n:
+                            raise EOFError(f"{f}: fewer than {n} bytes at {a - at}")
+                        a, got = a + n, got + n
                 finally:
                     os.close(fd)
             at += size

@@ -314,18 +314,13 @@ class RangedFileSystemReader(SafeFileSystemReader):
         first, last, block_start, block_end = entry.block_range(start, end)
         return _Span(start, end, first, last, block_start, block_end), contiguous
 
-    def _direct(self, item: ReadItem, entry: IndexedItem, target: torch.Tensor) -> bool:
-        """Whether the region's bytes can be read straight into ``target`` (step 2 of the module docstring)."""
-        dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
-        contiguous = self._span(entry, item, dtype, sizes)[1]
-        return contiguous and target.dtype == dtype and target.is_cpu and target.is_contiguous()
-
     def _read_tensor(self, source: ByteSource, item: ReadItem, entry: IndexedItem, target: torch.Tensor
                      ) -> torch.Tensor:
         dtype, sizes = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
         span, contiguous = self._span(entry, item, dtype, sizes)
         rows = item.lengths[0] if item.lengths else 1
-        direct = self._direct(item, entry, target)
+        # straight into the destination's memory (step 2 of the module docstring), or through a buffer
+        direct = contiguous and target.dtype == dtype and target.is_cpu and target.is_contiguous()
         if not direct and rows > 1 and span.end - span.start > _BOUNCE_BYTES:
             # A large region through a buffer (a column split, a dtype change): in runs of rows that fit one
             per_run = max(1, rows * _BOUNCE_BYTES // (span.end - span.start))
