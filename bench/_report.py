@@ -106,7 +106,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
                        f"full save over the bare DCP write of its entries; hashing alone, standalone, would be "
                        f"{checks / _m(full['save']):.0%} of the save; a full save computes no fingerprint"))
     out.append(_target("base fingerprint (once per run, first trainable-only save or load) <= 10% of a full save",
-                       fp / _m(full["save"]), 0.1, "<=", f"{r['numel']['frozen'] / 1e6:.0f}M frozen elements"))
+                       fp / _m(full["save"]), 0.1, "<=", f"{r['numel']['frozen'] / 1e6:.0f}M frozen elements, "
+                       f"chunk kernel {r.get('fingerprint_kernel', 'int_mm')}"))
     return out
 
 

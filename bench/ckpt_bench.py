@@ -43,6 +43,7 @@ from _timing import RAW_BLOCK_BYTES, Ctx, Stat, dir_bytes, evict, machine_info, 
 from _train_loop import measure_train_loop
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.location.store import cache_root
+from peftckpt.checkpoint.state.fingerprint_sums import chunk_kernel
 from peftckpt.checkpoint.state.sections import ensure_optimizer_state
 from peftckpt.checkpoint.storage.checksums import checksum_files
 from peftckpt.checkpoint.storage.formats import no_zip_crc32
@@ -313,7 +314,8 @@ def measure_distributed(args: argparse.Namespace, ctx: Ctx, work: Path, b: Bundl
     # The fingerprint first: computed once per run, cached for every later trainable-only save and load.
     out: dict[str, Any] = {"layout": ck.layout, "world": ctx.world,
                            "fingerprint": ctx.time(lambda i: (ck._fingerprints.clear(), ck.fingerprint()),
-                                                   n).to_dict()}
+                                                   n).to_dict(),
+                           "fingerprint_kernel": chunk_kernel()}
     small = ctx.rounds(n, {
         "ours_trainable": ours_save("trainable"),
         "bare_trainable": bare_save(True),

@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import balanced_read, dir_bytes, evict, machine_info, rmtree  # noqa: E402
+from peftckpt.checkpoint.state.fingerprint_sums import chunk_kernel, cpu_flags  # noqa: E402
 from peftckpt.interop.safetensors_io import write_safetensors  # noqa: E402
 
 GIB = 2**30
@@ -253,6 +254,7 @@ def main() -> None:
 
     r["fingerprint_rates"] = fingerprint_rates(cfg)
     r["cpu_int8_dot"] = int8_dot_flags()
+    r["fingerprint_kernel"] = chunk_kernel()
     if not a.skip_qlora:
         qlora_rows(r, a.layers, cfg, hf, work, py, tr)
     r["targets"] = targets(r) + (qlora_targets(r) if "qlora" in r else [])
@@ -368,12 +370,8 @@ def fingerprint_rates(cfg: dict[str, int]) -> dict[str, float]:
 
 
 def int8_dot_flags() -> list[str]:
-    """The CPU's instructions for int8 dot products (``/proc/cpuinfo``): what ``torch._int_mm`` runs fast on."""
-    try:
-        flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())  # type: ignore[union-attr]
-    except (OSError, AttributeError):
-        return []
-    return sorted(flags & {"avx2", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"})
+    """The CPU's instructions for int8 dot products: what ``torch._int_mm`` runs fast on."""
+    return sorted(cpu_flags() & {"avx2", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -423,7 +421,8 @@ def render(r: dict[str, Any]) -> str:
                      f"export-peft {row['export_peft']['wall_s']:.1f} s")
     lines.append("fingerprint on one core: " + ", ".join(f"{v} {x:.2f} G elements/s"
                                                       for v, x in r.get("fingerprint_rates", {}).items())
-                 + f" (int8 dot instructions: {', '.join(r.get('cpu_int8_dot', [])) or 'none'})")
+                 + f" (int8 dot instructions: {', '.join(r.get('cpu_int8_dot', [])) or 'none'}; "
+                   f"chunk kernel: {r.get('fingerprint_kernel', 'int_mm')})")
     if "qlora" in r:
         lines += [line for line in render_qlora(r) if not line.startswith(("met ", "MISSED"))]
     lines += [f"{'met ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (limit {t['limit']})"

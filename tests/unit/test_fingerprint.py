@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -235,13 +236,51 @@ def test_v4_chunk_edges_and_long_runs(dtype: torch.dtype, monkeypatch: pytest.Mo
         assert _fp({"w": _whole(changed)}) != whole, index
 
 
-def test_v4_without_int_mm_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where ``torch._int_mm`` is missing (or fails), the float32 product gives the same, exact, sums."""
-    t = torch.randn(130, 200, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    entries = {"w": _rows(t, [0, 7, 130]), "b": _whole(torch.randn(77))}
-    fast = base_fingerprint(entries, False, 4)
-    monkeypatch.setattr(fingerprint_sums, "_INT_MM", [False])
-    assert base_fingerprint(entries, False, 4) == fast
+@pytest.mark.parametrize("kernel", sorted(fingerprint_sums._KERNELS))
+def test_v4_kernels_give_the_same_sums(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """Each chunk kernel (``torch._int_mm``, the int32-widened tiles) gives the same exact sums as a plain int64
+    product, on whole and partial chunks, tiles cut across rows and within one long row, and extreme bytes."""
+    monkeypatch.setattr(fingerprint_sums, "_KERNEL", [kernel])
+    monkeypatch.setattr(fingerprint_sums, "_TILE_BYTES", 640)  # several tiles per call, and rows cut in tiles
+    g = torch.Generator().manual_seed(8)
+    extreme = torch.tensor([-128, 127], dtype=torch.int8)[torch.randint(0, 2, (3, 7, 128), generator=g)]
+    for chunks in (torch.randint(-128, 128, (4, 3, 128), dtype=torch.int8, generator=g), extreme,
+                   torch.randint(-128, 128, (2, 13, 256), dtype=torch.int8, generator=g)[:, 1:12],
+                   torch.randint(-128, 128, (3, 1, 40), dtype=torch.int8, generator=g)):
+        weights = torch.tensor(fingerprint_sums._W_FLOAT[:chunks.shape[2]], dtype=torch.int8)
+        expected = (chunks.to(torch.int64) * weights.to(torch.int64)).sum(2).numpy()
+        assert (fingerprint_sums._chunk_sums(chunks, weights) == expected).all()
+    t = torch.randn(130, 200, generator=g).to(torch.bfloat16)
+    entries = {"w": _rows(t, [0, 7, 130]), "b": _whole(torch.randn(77, generator=g)),
+               "n": _whole(torch.arange(-40, 60, dtype=torch.int64))}
+    ours = base_fingerprint(entries, False, 4)
+    monkeypatch.setattr(fingerprint_sums, "_KERNELS", {"plain": lambda c, w: (c.long() * w.long()).sum(2)})
+    monkeypatch.setattr(fingerprint_sums, "_KERNEL", ["plain"])
+    assert base_fingerprint(entries, False, 4) == ours
+
+
+def test_v4_kernel_chosen_by_the_cpu_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch._int_mm`` where the CPU has int8 dot-product instructions, the widened sums elsewhere, chosen
+    once; an ``_int_mm`` that refuses a shape hands over to the widened sums for good, with the same result."""
+    for flags, expected in (({"avx2", "avx512_vnni"}, "int_mm"), ({"avx2", "fma"}, "widened"), (set(), "widened")):
+        monkeypatch.setattr(fingerprint_sums, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(fingerprint_sums, "_KERNEL", [None])
+        assert fingerprint_sums.chunk_kernel() == expected
+        monkeypatch.setattr(fingerprint_sums, "cpu_flags", set)
+        assert fingerprint_sums.chunk_kernel() == expected  # chosen once
+    monkeypatch.undo()
+    listed = re.search(r"^(?:flags|Features)\s*:\s*(\S+)", Path("/proc/cpuinfo").read_text(), re.M)
+    assert listed is not None and listed.group(1) in fingerprint_sums.cpu_flags()  # this machine's, read
+
+    def refuse(chunks: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no int8 product for this shape")
+    monkeypatch.setattr(fingerprint_sums, "_KERNELS", {**fingerprint_sums._KERNELS, "int_mm": refuse})
+    monkeypatch.setattr(fingerprint_sums, "_KERNEL", ["int_mm"])
+    chunks = torch.randint(-128, 128, (2, 3, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    weights = torch.tensor(fingerprint_sums._W_FLOAT[:128], dtype=torch.int8)
+    expected_sums = (chunks.to(torch.int64) * weights.to(torch.int64)).sum(2).numpy()
+    assert (fingerprint_sums._chunk_sums(chunks, weights) == expected_sums).all()
+    assert fingerprint_sums._KERNEL == ["widened"]
 
 
 def test_v4_swapped_bytes_within_a_chunk() -> None:

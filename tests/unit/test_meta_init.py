@@ -244,7 +244,9 @@ def test_building_with_a_base_to_load_costs_its_bf16_share(tmp_path: Path,
           f"+load {meta_total / 2**20:.1f} MiB")
     assert eager_build > 0.9 * full, "the eager build holds the whole fp32 model"
     assert meta_build < 0.1 * full, "a meta build with a base to load touches (almost) no memory"
-    assert meta_total < 0.75 * eager_total, (meta_total, eager_total)
+    # at this size the load's fixed costs (read threads and buffers, the fingerprint's 4 MiB tile) are ~45 MiB of
+    # the meta build's ~80: a second copy of the bf16 model (+36 MiB) or an fp32 one (+72 MiB) crosses this line
+    assert meta_total < 0.85 * eager_total, (meta_total, eager_total)
 
 
 def test_frozen_bf16_linear_backward_is_the_fp32_product() -> None:
