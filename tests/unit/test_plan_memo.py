@@ -6,8 +6,10 @@ dtype, an object that became a tensor, an entry more -- and any save after a fai
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointError
 from peftckpt.checkpoint.faults import FAULT_ENV
+from peftckpt.checkpoint.storage.formats import TorchDistFormat
 from peftckpt.checkpoint.storage.plan_memo import PlanMemo
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 from peftckpt.checkpoint.tools.verify import verify_checkpoint
@@ -67,13 +70,14 @@ def test_saves_laid_out_alike_reuse_the_plans_and_stay_whole(tmp_path: Path) -> 
     assert memo.plan is not None and memo.metadata is not None and memo.structure is not None
     assert memo.pickler is not None and memo.pickler.entries is memo.metadata.state_dict_metadata
     _check(Path(first), model, opt)
-    picklers, places = [memo.pickler], [r.storage_data for r in memo.written]
+    picklers, places, wholes = [memo.pickler], [r.storage_data for r in memo.written], [memo.whole]
     for it in (2, 3):  # new values (a step), new object values: the same layout
         _step(model, opt)
         path = ckpt.save(tmp_path, it, {"iteration": "x" * 5000}, TRAINABLE)  # (an object grows at save 2)
         assert _plans(ckpt) is memo
         _check(Path(path), model, opt)
         picklers.append(memo.pickler)
+        wholes.append(memo.whole)
         # Tensors lie where they did (objects after them): their storage items are reused; the objects after
         # the one that grew moved, so save 2 pickles the items once more, and save 3 reuses that pickler.
         tensors = [r for r in memo.written if r.index.fqn.startswith(("model.", "optimizer.state."))]
@@ -81,6 +85,9 @@ def test_saves_laid_out_alike_reuse_the_plans_and_stay_whole(tmp_path: Path) -> 
         grown = next(r for r in memo.written if r.index.fqn == "iteration")
         assert grown.size_in_bytes > 5000 and grown.storage_data.offset > max(r.storage_data.offset for r in tensors)
     assert picklers[1] is not picklers[0] and picklers[2] is picklers[1]
+    # The commit's per-item checks: save 2's items moved (checked afresh, recorded), save 3's equal save 2's
+    # (the same verdict: only its files examined)
+    assert None not in wholes and wholes[1] is not wholes[0] and wholes[2] is wholes[1]
     handle = ckpt.async_save(tmp_path, 4, {"iteration": "y"}, TRAINABLE)  # async saves share the memo too
     assert Path(handle.result()).name == "iter_0000004" and _plans(ckpt) is memo
     _check(Path(handle.path), model, opt)
@@ -129,6 +136,39 @@ def test_a_changed_layout_is_planned_afresh(tmp_path: Path, change: str) -> None
     assert ("model.0.weight" in stored) == (change == "full")
     if change == "object":
         assert torch.equal(stored["iteration"], torch.zeros(3))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "removed", "moved item"])
+def test_a_reused_verdict_still_examines_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   damage: str) -> None:
+    """A save laid out like the last whole one, whose data file is damaged (or an item's recorded place changed)
+    between its write and its commit, is refused: the reused verdict covers equal items in files of equal size,
+    and the files themselves are examined each time."""
+    model, opt = _run()
+    _step(model, opt)
+    ckpt = Checkpointer([model], opt, **KW)
+    ckpt.save(tmp_path, 1, {"iteration": 1}, TRAINABLE)
+    assert _plans(ckpt).whole is not None
+    check = TorchDistFormat.written_problems
+
+    def damaged(self: TorchDistFormat, staging: Path, files: Any, saved_keys: Any, plans: PlanMemo,
+                stored: Any = None, metadata: Any = None) -> list[str]:
+        data = next(staging.glob("*.distcp"))
+        if damage == "truncated":
+            os.truncate(data, data.stat().st_size - 1)
+        elif damage == "removed":
+            data.unlink()
+        else:  # the metadata records the adapter's bytes past the end of the file
+            index = next(i for i in metadata.storage_data if i.fqn == "model.1.weight")
+            info = metadata.storage_data[index]
+            metadata.storage_data[index] = _StorageInfo(info.relative_path, info.offset + 10**6, info.length)
+        return check(self, staging, files, saved_keys, plans, stored, metadata)
+    monkeypatch.setattr(TorchDistFormat, "written_problems", damaged)
+    _step(model, opt)
+    with pytest.raises(CheckpointError, match="not whole") as refused:
+        ckpt.save(tmp_path, 2, {"iteration": 1}, TRAINABLE)
+    assert ("lie outside" if damage == "moved item" else "__0_0.distcp") in str(refused.value)
+    assert not (tmp_path / "iter_0000002").exists()
 
 
 def test_a_save_after_a_failed_one_plans_afresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

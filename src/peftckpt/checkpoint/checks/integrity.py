@@ -42,7 +42,8 @@ from peftckpt.checkpoint.storage.paths import recorded_file_problem, relpath_pro
 from peftckpt.checkpoint.storage.safe_pickle import load_dcp_metadata
 
 __all__ = ["DCP_METADATA_FILENAME", "dcp_problems", "storage_problems", "StoredStructure", "stored_structure",
-           "coverage_problem", "key_record_problems", "held_pieces", "unwritten_pieces", "plan_problems"]
+           "coverage_problem", "key_record_problems", "held_pieces", "unwritten_pieces", "plan_problems",
+           "item_files", "files_problems"]
 
 DCP_METADATA_FILENAME = ".metadata"
 """DCP's global metadata file inside a ``torch_dist`` checkpoint directory."""
@@ -144,13 +145,7 @@ def _item_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[s
         lengths[index] = length
         ranges.setdefault(rel, []).append((offset, length, index.fqn))
     for rel, spans in sorted(ranges.items()):
-        if stored is None:
-            problem = recorded_file_problem(root, rel, files[rel]["size"])
-        elif stored.get(rel) != files[rel]["size"]:
-            problem = (f"{rel}: not stored with the {files[rel]['size']} bytes written "
-                       f"({'missing' if rel not in stored else f'{stored[rel]} bytes'})")
-        else:
-            problem = None
+        problem = _file_problem(root, rel, files, stored)
         if problem is not None:
             problems.append(problem)
             continue
@@ -159,6 +154,30 @@ def _item_problems(root: Path, metadata: Metadata, files: Mapping[str, Mapping[s
             if b < a + n:
                 problems.append(f"{root / rel}: the bytes of {k1!r} and {k2!r} overlap")
     return problems, lengths
+
+
+def _file_problem(root: Path, rel: str, files: Mapping[str, Mapping[str, Any]],
+                  stored: Mapping[str, int] | None) -> str | None:
+    """Why the data file ``rel`` does not hold the bytes the manifest records (``stored``: the sizes an object
+    store lists, else the file under ``root`` is examined)."""
+    if stored is None:
+        return recorded_file_problem(root, rel, files[rel]["size"])
+    if stored.get(rel) != files[rel]["size"]:
+        return (f"{rel}: not stored with the {files[rel]['size']} bytes written "
+                f"({'missing' if rel not in stored else f'{stored[rel]} bytes'})")
+    return None
+
+
+def item_files(metadata: Metadata) -> list[str]:
+    """The files ``metadata``'s storage items name."""
+    return sorted({info.relative_path for info in metadata.storage_data.values()})
+
+
+def files_problems(root: Path, names: Sequence[str], files: Mapping[str, Mapping[str, Any]],
+                   stored: Mapping[str, int] | None = None) -> list[str]:
+    """Step 1 for the data files alone: each of ``names`` holds the bytes the manifest records (for storage items
+    already checked against these very files' sizes)."""
+    return [p for p in (_file_problem(root, rel, files, stored) for rel in names) if p is not None]
 
 
 @dataclass

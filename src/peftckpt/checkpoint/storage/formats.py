@@ -28,7 +28,9 @@ from ..background import one_core
 from ..checks.integrity import (
     DCP_METADATA_FILENAME,
     dcp_problems,
+    files_problems,
     held_pieces,
+    item_files,
     storage_problems,
     stored_structure,
     unwritten_pieces,
@@ -46,7 +48,7 @@ from .huge_pages import prefer_huge_pages
 from .key_listing import KeyListing, list_dcp_keys, list_legacy_keys
 from .legacy import LegacyRankFile, rank_file, save_rank_file
 from .manifest import TORCH, TORCH_DIST, Manifest
-from .plan_memo import PlanMemo
+from .plan_memo import PlanMemo, WholeRecord
 from .planners import EntryLoadPlanner, EntrySavePlanner
 from .safe_pickle import load_dcp_metadata
 
@@ -277,14 +279,21 @@ class TorchDistFormat:
             if metadata is None:
                 metadata = load_dcp_metadata(staging / DCP_METADATA_FILENAME)
             planned = plans.metadata is not None and metadata.state_dict_metadata is plans.metadata.state_dict_metadata
+            sizes = {rel: record["size"] for rel, record in files.items()}
+            if planned and plans.whole is not None and plans.whole.matches(metadata.storage_data, sizes, saved_keys):
+                return files_problems(staging, plans.whole.files, files, stored)  # the last whole save's items
             structure = plans.structure if planned else None
             if structure is None:
                 structure = stored_structure(metadata, staging)
                 structure.unwritten = unwritten_pieces(metadata, held_pieces(plans.planned))
                 if planned:
                     plans.structure = structure
-            return storage_problems(staging, metadata, dict(files), dict(saved_keys), stored,
-                                    structure) + list(structure.unwritten or [])
+            problems = storage_problems(staging, metadata, dict(files), dict(saved_keys), stored,
+                                        structure) + list(structure.unwritten or [])
+            if planned and not problems:
+                plans.whole = WholeRecord(dict(metadata.storage_data), sizes,
+                                          {k: dict(v) for k, v in saved_keys.items()}, item_files(metadata))
+            return problems
         except CheckpointError as e:  # e.g. the staging directory was removed under the save
             return [str(e)]
 

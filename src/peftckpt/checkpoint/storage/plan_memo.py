@@ -11,7 +11,10 @@ A :class:`PlanMemo` holds them. A save reuses the last one's only where every ra
 last save's (:func:`layout_of`, compared on each rank, then one ``all_true``) and the last save was committed;
 otherwise it starts an empty one that the save fills in as it goes. What a save writes and checks of its *data* --
 every byte, the files' checksums and digests, every storage item's range inside its file -- is never reused
-(an item written where the last save wrote it keeps that save's record of its place, which is the same).
+(an item written where the last save wrote it keeps that save's record of its place, which is the same). The
+commit compares the storage items' ranges, the files' sizes and the key records with those the last save was
+found whole with: where all are equal, so is the verdict of the per-item checks, and only the files themselves
+are examined again (each holds its recorded bytes).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ...sharding.entries import GlobalTensor
 from ..checks.integrity import StoredStructure
 from .metadata_pickle import MetadataPickler
 
-__all__ = ["PlanMemo", "layout_of"]
+__all__ = ["PlanMemo", "WholeRecord", "layout_of"]
 
 
 def layout_of(flat: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -47,6 +50,20 @@ def layout_of(flat: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         else:
             rest.append((key, type(value)))
     return pieces, rest
+
+
+@dataclass(frozen=True)
+class WholeRecord:
+    """A committed save's storage items (``{MetadataIndex: _StorageInfo}``), data file sizes, manifest key records
+    and the data files its items name: what the commit's check of its items found whole."""
+
+    items: dict[Any, Any]
+    sizes: dict[str, int]
+    saved_keys: dict[str, dict[str, Any]]
+    files: list[str]
+
+    def matches(self, items: Mapping[Any, Any], sizes: Mapping[str, int], saved_keys: Mapping[str, Any]) -> bool:
+        return self.sizes == sizes and self.saved_keys == saved_keys and self.items == items
 
 
 @dataclass
@@ -67,6 +84,9 @@ class PlanMemo:
     pickler: MetadataPickler | None = None
     """``metadata``'s entries pickled once, for the metadata file of every save that reuses this memo
     (coordinator)."""
+    whole: WholeRecord | None = None
+    """What the last save with this memo was found whole with (coordinator): a save whose storage items, file
+    sizes and key records equal these has the same verdict, and only its files are examined again."""
     written: list[WriteResult] = field(default_factory=list)
     """This rank's write results of the last save with this memo, in file order: a save that puts an item where
     that one did reuses its result, so the metadata's storage items are the objects :attr:`pickler` holds."""
