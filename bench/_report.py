@@ -95,8 +95,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
                                f"{s3['bytes'] / MB:.1f} MB"))
     fit = r.get("scaling", {}).get("fit", {}).get("ours")
     if fit is not None:
+        raw = r["scaling"]["fit"].get("raw_write")
         out.append(_target("cost per stored tensor (trainable-only save, scaling fit) <= 25 us",
-                           fit["per_tensor_s"] * 1e6, 25.0, "<=", "microseconds"))
+                           fit["per_tensor_s"] * 1e6, 25.0, "<=", "microseconds" + (
+                               f"; {raw['per_tensor_s'] * 1e6:.0f} of them the raw write + fsync of its bytes"
+                               if raw else "")))
     # A full save computes no fingerprint (only trainable-only saves record one, computed once per run),
     # so what checksums + fingerprint add to a full save is what our save costs over the bare DCP write of
     # the same entries (manifest, streamed checksums, commit protocol).
@@ -175,13 +178,19 @@ def report(r: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                          f"{_cell(tl[mode])} |")
     sc = r["scaling"]
     lines += ["", "Scaling (trainable-only save; stored tensors = adapter tensors x 3 with the Adam moments):", "",
-              "| layers | adapter tensors | MB | ours s | plain DCP s |", "|---:|---:|---:|---|---|"]
+              "| layers | adapter tensors | MB | ours s | plain DCP s | raw write + fsync s |",
+              "|---:|---:|---:|---|---|---|"]
     for p in sc["points"]:
         lines.append(f"| {p['layers']} | {p['adapter_tensors']} | {p['bytes'] / MB:.1f} | {_cell(p['ours'])} | "
-                     f"{_cell(p['plain_dcp'])} |")
+                     f"{_cell(p['plain_dcp'])} | {_cell(p['raw_write']) if 'raw_write' in p else '-'} |")
     for who, fit in sc["fit"].items():
         lines.append(f"\nfit {who}: {fit['fixed_s'] * 1e3:.1f} ms fixed + {fit['per_tensor_s'] * 1e6:.0f} us per "
                      "stored tensor")
+    if "raw_write" in sc["fit"]:
+        own = sc["fit"]["ours"]["per_tensor_s"] - sc["fit"]["raw_write"]["per_tensor_s"]
+        lines.append(f"\nof ours per stored tensor: the raw write of its bytes "
+                     f"{sc['fit']['raw_write']['per_tensor_s'] * 1e6:.0f} us (the disk), framing + checksums + "
+                     f"commit {own * 1e6:.0f} us")
     tg = targets(r)
     lines += ["", "| target | ratio | limit | met |", "|---|---:|---:|---|"]
     for t in tg:

@@ -483,10 +483,13 @@ def measure_base_from_store(args: argparse.Namespace, work: Path) -> dict[str, A
 
 
 def measure_scaling(args: argparse.Namespace, ctx: Ctx, work: Path) -> dict[str, Any]:
-    """Trainable-only save time (ours and plain DCP) as the number of adapter tensors grows; fitted as
-    ``fixed + per_tensor * stored_tensors`` (stored = adapter tensors + their two Adam moments)."""
+    """Trainable-only save time (ours, plain DCP, and a raw write + fsync of our checkpoint's byte count) as the
+    number of adapter tensors grows; fitted as ``fixed + per_tensor * stored_tensors`` (stored = adapter tensors +
+    their two Adam moments). The bytes grow with the tensors, so the raw write's slope is what the disk costs
+    per stored tensor, and ours less it what the framing, checksums and commit cost."""
     _quiet()
     dirs = Dirs(work, ctx)
+    block = memoryview(os.urandom(RAW_BLOCK_BYTES))
     points = []
     for layers in args.scaling_layers:
         b = Bundle.build(args, ctx, model_config(args, num_layers=layers, hidden=args.scaling_hidden_size))
@@ -506,13 +509,20 @@ def measure_scaling(args: argparse.Namespace, ctx: Ctx, work: Path) -> dict[str,
         nbytes = dir_bytes(_committed(dirs.path(ours_name, args.repeats - 1)))
         dirs.drop(dirs.path(ours_name, args.repeats - 1))
         dirs.drop(dirs.path(plain_name, args.repeats - 1))
+        raw = dirs.path(f"scale-raw-{layers}")
+        written = ctx.rounds(args.repeats, {  # the same bytes, one file (+ fsync)
+            "raw": ((lambda i, raw=raw, nbytes=nbytes: raw_write(raw, nbytes, block) if ctx.rank == 0 else None), None)
+        })["raw"]
+        if ctx.rank == 0:
+            raw.unlink(missing_ok=True)
         points.append({"layers": layers, "adapter_tensors": adapters, "stored_tensors": 3 * adapters,
-                       "bytes": nbytes, "ours": ours.to_dict(), "plain_dcp": peer.to_dict()})
+                       "bytes": nbytes, "ours": ours.to_dict(), "plain_dcp": peer.to_dict(),
+                       "raw_write": written.to_dict()})
         del b, plain
         gc.collect()
     fits = {}
     x = np.array([p["stored_tensors"] for p in points], dtype=float)
-    for who in ("ours", "plain_dcp"):
+    for who in ("ours", "plain_dcp", "raw_write"):
         y = np.array([p[who]["median_s"] for p in points])
         per, fixed = np.polyfit(x, y, 1) if len(points) > 1 else (float("nan"), float(y[0]))
         fits[who] = {"fixed_s": float(fixed), "per_tensor_s": float(per)}
