@@ -20,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from peftckpt.checkpoint.state.fingerprint_sums import INT8_DOT_FLAGS, cpu_flags
 from peftckpt.checkpoint.storage.durable import fsync_dir, fsync_file
 from peftckpt.checkpoint.storage.preads import read_exactly
 
-__all__ = ["Stat", "Ctx", "raw_write", "raw_read", "balanced_read", "evict", "dir_bytes", "fsync_paths", "rmtree", "machine_info"]
+__all__ = ["Stat", "Ctx", "raw_write", "raw_read", "balanced_read", "evict", "dir_bytes", "fsync_paths", "rmtree", "machine_info",
+           "int8_dot_flags"]
 
 RAW_BLOCK_BYTES = 16 << 20
 """Block size of the raw sequential write/read (one reused buffer)."""
@@ -235,10 +237,17 @@ def _meminfo_gib() -> float:
     return float("nan")
 
 
+def int8_dot_flags() -> list[str]:
+    """The CPU's vector and int8 dot-product instructions: what the fingerprint's chunk sums run on."""
+    return sorted(cpu_flags() & (INT8_DOT_FLAGS | {"avx2", "avx512bw"}))
+
+
 def machine_info(workdir: Path) -> dict[str, Any]:
-    """CPU count and model, RAM, and the device / filesystem / rotational flag behind ``workdir``."""
+    """CPU count, model and int8 instructions, RAM, and the device / filesystem / rotational flag behind
+    ``workdir``."""
     info: dict[str, Any] = {"nproc": os.cpu_count(), "ram_gib": round(_meminfo_gib(), 1),
-                            "torch": torch.__version__, "loadavg_start": os.getloadavg()}
+                            "torch": torch.__version__, "loadavg_start": os.getloadavg(),
+                            "cpu_int8_dot": int8_dot_flags()}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import balanced_read, dir_bytes, evict, machine_info, rmtree  # noqa: E402
-from peftckpt.checkpoint.state.fingerprint_sums import chunk_kernel, cpu_flags  # noqa: E402
+from _timing import balanced_read, dir_bytes, evict, int8_dot_flags, machine_info, rmtree  # noqa: E402
+from peftckpt.checkpoint.state.fingerprint_sums import chunk_kernel  # noqa: E402
 from peftckpt.interop.safetensors_io import write_safetensors  # noqa: E402
 
 GIB = 2**30
@@ -367,11 +367,6 @@ def fingerprint_rates(cfg: dict[str, int]) -> dict[str, float]:
         return rates
     finally:
         torch.set_num_threads(threads)
-
-
-def int8_dot_flags() -> list[str]:
-    """The CPU's instructions for int8 dot products: what ``torch._int_mm`` runs fast on."""
-    return sorted(cpu_flags() & {"avx2", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:

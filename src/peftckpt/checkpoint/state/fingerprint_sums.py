@@ -34,7 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["U64", "WIDTH", "chunk_kernel", "segment_sums"]
+__all__ = ["U64", "WIDTH", "INT8_DOT_FLAGS", "chunk_kernel", "cpu_flags", "segment_sums"]
 
 U64 = 0xFFFFFFFFFFFFFFFF
 """Sums are taken modulo 2**64."""
@@ -230,7 +230,7 @@ slower (per-op costs)."""
 _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"widened": _widened_sums}
 if hasattr(torch, "_int_mm"):
     _KERNELS["int_mm"] = _int_mm_sums
-_INT8_DOT = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 """CPU flags (``/proc/cpuinfo``) of int8 dot-product instructions, on which ``torch._int_mm`` is the faster."""
 _KERNEL: list[str | None] = [None]
 """The kernel this process uses (both give the same, exact, sums), chosen on first use."""
@@ -243,7 +243,7 @@ def chunk_kernel() -> str:
     CPU's flags, not timed: the same on every run of a machine."""
     chosen = _KERNEL[0]
     if chosen is None:
-        chosen = _KERNEL[0] = "int_mm" if "int_mm" in _KERNELS and cpu_flags() & _INT8_DOT else "widened"
+        chosen = _KERNEL[0] = "int_mm" if "int_mm" in _KERNELS and cpu_flags() & INT8_DOT_FLAGS else "widened"
     return chosen
 
 
