@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future as ConcurrentFuture
 from pathlib import Path
 from typing import Any, cast
@@ -43,14 +44,14 @@ from torch.futures import Future
 from ..checks.integrity import DCP_METADATA_FILENAME
 from .checksums import overlap_pool
 from .durable import start_flush
-from .framing import IndexedItem, block_digests, encode_index, tensor_bytes, tensor_record
+from .framed_layout import SMALL_BYTES, FramedLayout, TensorSlot
+from .framing import IndexedItem, TensorRecord, block_digests, encode_index, tensor_bytes, tensor_record
 from .metadata_pickle import MetadataPickler
 from .plan_memo import PlanMemo
+from .planners import EntrySavePlanner
 
 __all__ = ["FramedFileSystemWriter", "save_state_dict"]
 
-_JOINED_BYTES = 1 << 16
-"""Tensors up to this size are written with their framing as one joined buffer."""
 _GATHER_BYTES = 2 << 20
 _GATHER_VIEWS = 1024
 """Queued writes are written out (one ``writev``) once they reach either many bytes or many buffers. (A/B, 2-core
@@ -83,6 +84,21 @@ class _Gathering:
         if self._queued >= _GATHER_BYTES or len(self._views) >= _GATHER_VIEWS:
             self.flush()
 
+    def write_views(self, views: Sequence[memoryview]) -> None:
+        """``write`` each of ``views`` (byte views), queued together."""
+        if self._write_many is None:
+            for view in views:
+                self.write(view)
+            return
+        for start in range(0, len(views), _GATHER_VIEWS):
+            part = views[start:start + _GATHER_VIEWS]
+            nbytes = sum(map(len, part))
+            self._views.extend(part)
+            self.at += nbytes
+            self._queued += nbytes
+            if self._queued >= _GATHER_BYTES or len(self._views) >= _GATHER_VIEWS:
+                self.flush()
+
     def flush(self) -> None:
         if self._views:
             assert self._write_many is not None
@@ -108,21 +124,37 @@ class FramedFileSystemWriter(FileSystemWriter):
         prefix = cast(_StoragePrefix, plan.storage_data).prefix
         name = f"{prefix}0{DEFAULT_SUFFIX}"
         results: list[WriteResult] = []
-        index: list[IndexedItem] = []
+        index: list[IndexedItem | str] = []
         hashing: list[tuple[IndexedItem, ConcurrentFuture[list[int]]]] = []
+        slots: list[TensorSlot] | None = []
         path = cast(Path, self.fs.concat_path(self.path, name))
-        last = self.plans.written if self.plans is not None else []
+        memo = self.plans
+        last = memo.written if memo is not None else []
+        # Tensors first, in plan order, then objects: a tensor's place in the file depends on the layout alone
+        # (objects -- the optimizer's groups, the RNG state -- may change size from one save to the next), so a
+        # save laid out like the last one puts every tensor where that one did, and reuses its results.
+        items = sorted(plan.items, key=lambda i: i.type == WriteItemType.BYTE_IO)
+        framed = memo.framed if memo is not None and memo.framed is not None and \
+            len(last) >= len(memo.framed.slots) and isinstance(planner, EntrySavePlanner) and \
+            not planner.streams() else None
         with self.fs.create_stream(path, "wb") as stream:
             out = _Gathering(stream)
-            # Tensors first, in plan order, then objects: a tensor's place in the file depends on the layout alone
-            # (objects -- the optimizer's groups, the RNG state -- may change size from one save to the next), so a
-            # save laid out like the last one puts every tensor where that one did, and reuses its results.
-            items = sorted(plan.items, key=lambda i: i.type == WriteItemType.BYTE_IO)
-            for n, item in enumerate(items):
+            start = 0
+            if framed is not None:  # laid out like the last save: its tensors through the layout it left
+                start = len(framed.slots)
+                index.extend(framed.write(out, [cast(torch.Tensor, planner.resolve_data(item)) for item in items[:start]]))
+                results.extend(last[:start])
+            for n in range(start, len(items)):
+                item = items[n]
                 at = out.at
-                indexed = self._write_item(out, item, planner.resolve_data(item), hashing)
+                indexed, record = self._write_item(out, item, planner.resolve_data(item), hashing)
                 indexed.offset, indexed.data_offset = at, at + indexed.data_offset
                 index.append(indexed)
+                if slots is not None and item.type != WriteItemType.BYTE_IO:
+                    if record is None:  # a tensor left to torch.save: no layout to write through
+                        slots = None
+                    else:
+                        slots.append(TensorSlot(at, record))
                 length = out.at - at
                 result = last[n] if n < len(last) else None
                 if result is None or result.index is not item.index or result.size_in_bytes != length or \
@@ -139,23 +171,27 @@ class FramedFileSystemWriter(FileSystemWriter):
                 os.fsync(stream.fileno())
         if not self.sync_files and Path(path).absolute() not in getattr(self.fs, "streamed", ()):
             start_flush(path)  # the commit's fsync of the file, begun while the save goes on (durable.py)
-        if self.plans is not None:
-            self.plans.written = results
+        if memo is not None:
+            memo.written = results
+            if framed is None and slots:
+                memo.framed = FramedLayout.matching(slots)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     @staticmethod
     def _write_item(out: _Gathering, item: WriteItem, data: Any,
-                    hashing: list[tuple[IndexedItem, ConcurrentFuture[list[int]]]]) -> IndexedItem:
-        """Write one item; its index record with offsets relative to the item's start. An object, and a tensor
-        left to ``torch.save``, is recorded as framing only (read whole, verified by one digest). The block
-        digests of a large tensor are taken on another core while the file is written: its record and their
-        future are added to ``hashing`` (the block digests go between its framing digests)."""
+                    hashing: list[tuple[IndexedItem, ConcurrentFuture[list[int]]]]
+                    ) -> tuple[IndexedItem, TensorRecord | None]:
+        """Write one item; its index record with offsets relative to the item's start, and the record that framed
+        it (``None`` for an object or a tensor left to ``torch.save``). An object, and a tensor left to
+        ``torch.save``, is recorded as framing only (read whole, verified by one digest). The block digests of a
+        large tensor are taken on another core while the file is written: its record and their future are added
+        to ``hashing`` (the block digests go between its framing digests)."""
         if item.type == WriteItemType.BYTE_IO:
             raw = memoryview(cast(io.BytesIO, data).getbuffer()).cast("B")
             out.write(raw)
-            return IndexedItem(0, len(raw), len(raw), 0, [xxhash.xxh3_64_intdigest(raw), xxhash.xxh3_64_intdigest(b"")])
+            return IndexedItem(0, len(raw), len(raw), 0, [xxhash.xxh3_64_intdigest(raw), xxhash.xxh3_64_intdigest(b"")]), None
         tensor = cast(torch.Tensor, data)
         if tensor.requires_grad:
             tensor = tensor.detach()
@@ -169,19 +205,19 @@ class FramedFileSystemWriter(FileSystemWriter):
             torch.save(tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor, buf)
             blob = buf.getbuffer()
             out.write(blob)
-            return IndexedItem(0, len(blob), len(blob), 0, [xxhash.xxh3_64_intdigest(blob), xxhash.xxh3_64_intdigest(b"")])
+            return IndexedItem(0, len(blob), len(blob), 0, [xxhash.xxh3_64_intdigest(blob), xxhash.xxh3_64_intdigest(b"")]), None
         data_bytes = tensor_bytes(tensor)
         head, tail = record.framing_digests
-        if len(data_bytes) <= _JOINED_BYTES:  # one write of one short copy beats three writes
+        if len(data_bytes) <= SMALL_BYTES:  # one write of one short copy beats three writes
             out.write(b"".join((record.prefix, data_bytes, record.suffix)))
             return IndexedItem(0, record.length, len(record.prefix), record.nbytes,
-                               [head, *block_digests(data_bytes), tail])
+                               [head, *block_digests(data_bytes), tail]), record
         indexed = IndexedItem(0, record.length, len(record.prefix), record.nbytes, [head, tail])
         hashing.append((indexed, overlap_pool().submit(block_digests, data_bytes)))
         out.write(record.prefix)
         out.write(data_bytes)
         out.write(record.suffix)
-        return indexed
+        return indexed, record
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's ``finish`` (the storage items and the metadata file, written to a temporary name and renamed),

@@ -188,9 +188,11 @@ class IndexedItem:
         first, last = start // BLOCK_BYTES, max(start, end - 1) // BLOCK_BYTES + 1
         return first, last, first * BLOCK_BYTES, min(last * BLOCK_BYTES, self.data_length)
 
-    def to_json(self) -> list[Any]:
-        return [self.offset, self.length, self.data_offset, self.data_length,
-                struct.pack(f"<{len(self.digests)}Q", *self.digests).hex()]
+    def to_json(self) -> str:
+        """Its entry in the index's JSON: ``[offset,length,data_offset,data_length,"<digests' hex>"]`` (each
+        digest 8 little-endian bytes)."""
+        return (f"[{self.offset},{self.length},{self.data_offset},{self.data_length},"
+                f"\"{struct.pack(f'<{len(self.digests)}Q', *self.digests).hex()}\"]")
 
 
 def block_digests(data: memoryview) -> list[int]:
@@ -222,10 +224,13 @@ def segment_digests(segments: Sequence[memoryview], sizes: Sequence[int]) -> lis
     return out
 
 
-def encode_index(items: Sequence[IndexedItem]) -> bytes:
-    """The index and footer to append to a data file."""
-    body = json.dumps({"version": 1, "algorithm": INDEX_ALGORITHM, "block_bytes": BLOCK_BYTES,
-                       "items": [i.to_json() for i in items]}, separators=(",", ":")).encode()
+_INDEX_HEAD = json.dumps({"version": 1, "algorithm": INDEX_ALGORITHM, "block_bytes": BLOCK_BYTES},
+                         separators=(",", ":"))[:-1] + ',"items":['
+
+
+def encode_index(items: Sequence[IndexedItem | str]) -> bytes:
+    """The index and footer to append to a data file, from its items (or their :meth:`IndexedItem.to_json`)."""
+    body = (_INDEX_HEAD + ",".join(i if isinstance(i, str) else i.to_json() for i in items) + "]}").encode()
     return body + _FOOTER.pack(len(body), xxhash.xxh3_64_intdigest(body), _MAGIC)
 
 

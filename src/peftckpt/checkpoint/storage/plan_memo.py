@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ...sharding.entries import GlobalTensor
 from ..checks.integrity import StoredStructure
+from .framed_layout import FramedLayout
 from .metadata_pickle import MetadataPickler
 
 __all__ = ["PlanMemo", "WholeRecord", "layout_of"]
@@ -87,6 +88,9 @@ class PlanMemo:
     whole: WholeRecord | None = None
     """What the last save with this memo was found whole with (coordinator): a save whose storage items, file
     sizes and key records equal these has the same verdict, and only its files are examined again."""
+    framed: FramedLayout | None = None
+    """This rank's data file's tensor items as the first save with this memo wrote them: later ones write their
+    tensors through it, with a few calls for all items (:mod:`~peftckpt.checkpoint.storage.framed_layout`)."""
     written: list[WriteResult] = field(default_factory=list)
     """This rank's write results of the last save with this memo, in file order: a save that puts an item where
     that one did reuses its result, so the metadata's storage items are the objects :attr:`pickler` holds."""

@@ -38,6 +38,11 @@ class EntrySavePlanner(DefaultSavePlanner):
             return obj.__get_tensor_shard__(write_item.index)
         return super().resolve_data(write_item)
 
+    def streams(self) -> bool:
+        """Some entry produces its tensor only when written (a :class:`LazyGlobalTensor`): its items must be
+        resolved one at a time, each written before the next is asked for."""
+        return any(type(v) is LazyGlobalTensor for v in self.state_dict.values())
+
     def lookup_object(self, index: MetadataIndex) -> Any:
         if self._on_item is not None:
             self._on_item()
