@@ -66,6 +66,43 @@ def test_defaults_and_round_trip(tmp_path: Path) -> None:
     assert read_manifest(tmp_path) == m
 
 
+def _reference_json(m: Manifest) -> bytes:
+    """The manifest's text as defined: sorted fields a line each, a string-keyed mapping an entry per line, and
+    ``manifest_sha256`` of the canonical ``json.dumps(sort_keys=True)`` of the rest."""
+    from dataclasses import asdict
+
+    body = asdict(m)
+    body["manifest_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
+
+    def field(key: str, v: object) -> str:
+        if isinstance(v, dict) and v and all(isinstance(k, str) for k in v):
+            entries = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v[k], sort_keys=True)}" for k in sorted(v))
+            return f"  {json.dumps(key)}: {{\n{entries}\n  }}"
+        return f"  {json.dumps(key)}: {json.dumps(v, sort_keys=True)}"
+
+    return ("{\n" + ",\n".join(field(k, body[k]) for k in sorted(body)) + "\n}\n").encode()
+
+
+def test_large_key_records_are_encoded_once_per_change(tmp_path: Path) -> None:
+    """A run's saves record the same few thousand key records: their text is reused while they are equal, and
+    written afresh the moment one record differs (same count), the manifest always its defined text."""
+    records = {f"model.layers.{i}.w": {"shape": [i + 1, 8], "dtype": "float32", "requires_grad": i % 2 == 0}
+               for i in range(300)}
+    first = _manifest(saved_keys=records, excluded_keys=dict(records), created_at="t")
+    assert first.to_json() == _reference_json(first)
+    again = _manifest(saved_keys={k: dict(v) for k, v in records.items()}, excluded_keys=dict(records), created_at="t")
+    assert again.to_json() == first.to_json()  # (equal values: the reused text)
+    changed = {k: dict(v) for k, v in records.items()}
+    changed["model.layers.7.w"]["requires_grad"] = True
+    changed["model.layers.9.w"]["shape"] = [10, 9]
+    other = _manifest(saved_keys=changed, excluded_keys=dict(records), created_at="t")
+    assert other.to_json() == _reference_json(other) != first.to_json()
+    assert Manifest.from_json(other.to_json(), tmp_path / "m.json") == other
+    records["model.layers.0.w"]["dtype"] = "bfloat16"  # the caller's dict changed after a save: not the copy
+    assert _manifest(saved_keys=records, created_at="t").to_json() == _reference_json(
+        _manifest(saved_keys=records, created_at="t"))
+
+
 def test_newer_format_version_error_text(tmp_path: Path) -> None:
     raw = json.loads(_manifest().to_json())
     raw["format_version"] = 2

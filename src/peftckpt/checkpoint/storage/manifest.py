@@ -8,10 +8,12 @@ them), and a SHA-256 of itself.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -109,8 +111,10 @@ class Manifest:
         manifest is detected too. Every value is encoded by ``json``'s C encoder (an indented dump runs its
         pure-Python one: ~40 ms for the key records of a model of a few thousand tensors)."""
         body: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}  # JSON values already
-        body[SELF_CHECKSUM_KEY] = _self_checksum(body)
-        return _lines(body).encode()
+        texts = {key: _field_texts(key, value) for key, value in body.items()}
+        checksum = hashlib.sha256(_canonical(texts).encode()).hexdigest()
+        texts[SELF_CHECKSUM_KEY] = (_ENCODE(checksum), _ENCODE(checksum))
+        return ("{\n" + ",\n".join(f"  {_ENCODE(k)}: {texts[k][1]}" for k in sorted(texts)) + "\n}\n").encode()
 
     @property
     def holds_every_weight(self) -> bool:
@@ -188,25 +192,50 @@ _OPTIONAL_FIELDS = {"base_sums"}
 
 
 _ENCODE = json.JSONEncoder(sort_keys=True, allow_nan=False).encode
+"""One encoder for every value (``json.dumps`` builds one per call given options): its text of a value is the
+canonical one (``json.dumps(value, sort_keys=True, allow_nan=False)``)."""
+_MEMO_MIN_ENTRIES = 64
+_MEMO_FIELDS = 8
+_memo: collections.OrderedDict[tuple[str, int], tuple[dict[str, Any], str, str]] = collections.OrderedDict()
+"""Large mapping fields' texts, by field name and entry count: ``(a private copy of the value, its canonical
+JSON, its entry-per-line text)``. Every save of a run records the same key records (a few thousand entries, whose
+encoding one by one was most of a small adapter save's manifest); a value equal to the copy has the same texts.
+(``==`` equates ``True`` with ``1``: the key records' fields are typed by the code that builds them.)"""
+_memo_lock = threading.Lock()
 
 
-def _lines(body: Mapping[str, Any]) -> str:
-    """``body`` as JSON, a field per line and (for a mapping) an entry per line below it."""
-    value = _ENCODE  # one encoder for every value (json.dumps builds one per call given options)
+def _field_texts(key: str, value: Any) -> tuple[str, str]:
+    """A manifest field's value as canonical JSON and as the manifest writes it (a mapping with string keys: an
+    entry per line below the field)."""
+    if not (isinstance(value, dict) and value):
+        text = _ENCODE(value)
+        return text, text
+    memo_key = (key, len(value))
+    with _memo_lock:
+        held = _memo.get(memo_key) if len(value) >= _MEMO_MIN_ENTRIES else None
+    if held is not None and held[0] == value:
+        return held[1], held[2]
+    canonical = _ENCODE(value)
+    if not all(isinstance(k, str) for k in value):
+        return canonical, canonical
+    entries = ",\n".join(f"    {_ENCODE(k)}: {_ENCODE(value[k])}" for k in sorted(value))
+    lines = f"{{\n{entries}\n  }}"
+    if len(value) >= _MEMO_MIN_ENTRIES:
+        with _memo_lock:  # (an async save commits on a thread of its own)
+            _memo[memo_key] = (json.loads(canonical), canonical, lines)
+            while len(_memo) > _MEMO_FIELDS:
+                _memo.popitem(last=False)
+    return canonical, lines
 
-    def field_text(key: str, v: Any) -> str:
-        if isinstance(v, dict) and v and all(isinstance(k, str) for k in v):
-            entries = ",\n".join(f"    {value(k)}: {value(v[k])}" for k in sorted(v))
-            return f"  {value(key)}: {{\n{entries}\n  }}"
-        return f"  {value(key)}: {value(v)}"
 
-    return "{\n" + ",\n".join(field_text(k, body[k]) for k in sorted(body)) + "\n}\n"
+def _canonical(texts: Mapping[str, tuple[str, str]]) -> str:
+    """The canonical JSON (``json.dumps(body, sort_keys=True)``) of a body whose values' texts are ``texts``, less
+    the manifest's own checksum."""
+    return "{" + ", ".join(f"{_ENCODE(k)}: {texts[k][0]}" for k in sorted(texts) if k != SELF_CHECKSUM_KEY) + "}"
 
 
 def _self_checksum(body: Mapping[str, Any]) -> str:
-    data = json.dumps({k: v for k, v in body.items() if k != SELF_CHECKSUM_KEY}, sort_keys=True,
-                      allow_nan=False).encode()
-    return hashlib.sha256(data).hexdigest()
+    return hashlib.sha256(_canonical({k: _field_texts(k, v) for k, v in body.items()}).encode()).hexdigest()
 
 
 def _is_int(value: object) -> bool:
