@@ -135,7 +135,9 @@ def global_tensor_of(t: torch.Tensor, fused: FusedChunks | None = None,
     rg = bool(t.requires_grad if requires_grad is None else requires_grad)
     kind = type(t)
     if kind is torch.Tensor or kind is nn.Parameter:  # the usual case, told by type (a checkpoint wraps thousands)
-        return GlobalTensor(t.shape, t.dtype, [Piece((0,) * t.ndim, t.detach())], rg, replicated=True,
+        # (a plain tensor outside autograd -- optimizer state -- is its own view: detaching it costs half the entry)
+        local = t if kind is torch.Tensor and not t.requires_grad else t.detach()
+        return GlobalTensor(t.shape, t.dtype, [Piece((0,) * t.ndim, local)], rg, replicated=True,
                             frozen=kind is nn.Parameter and not t.requires_grad)
     frozen = isinstance(t, nn.Parameter) and not t.requires_grad
     if not isinstance(t, DTensor):

@@ -107,22 +107,27 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, chunks: Sequence[nn.Modu
     object, ``param_groups`` -- a tensor entry per scalar would cost more in storage framing than its data."""
     ensure_optimizer_state(optimizer)
     names = _param_names(chunks)
+    state = optimizer.state
     out: dict[str, Any] = {}
     groups = []
     for group in optimizer.param_groups:
+        params = group["params"]
         hyper = {k: v for k, v in group.items() if k != "params"}
-        hyper["param_names"] = [names[id(p)][0] for p in group["params"]]
-        scalars: dict[str, dict[str, float]] = {}
-        for p in group["params"]:
-            name, fused = names[id(p)]
-            for stat, value in optimizer.state[p].items():
-                if isinstance(value, torch.Tensor) and value.ndim == 0 and not isinstance(value, DTensor):
-                    scalars.setdefault(name, {})[stat] = float(value)
-                elif isinstance(value, torch.Tensor):
-                    fused_here = fused if value.shape == p.shape else None
-                    out[f"state.{name}.{stat}"] = global_tensor_of(value, fused_here, requires_grad=False)
-                else:
-                    scalars.setdefault(name, {})[stat] = value
+        named = [names[id(p)] for p in params]
+        hyper["param_names"] = [name for name, _ in named]
+        scalars: dict[str, dict[str, Any]] = {}
+        for p, (name, fused) in zip(params, named):
+            own: dict[str, Any] = {}
+            for stat, value in state[p].items():
+                if not isinstance(value, torch.Tensor):
+                    own[stat] = value
+                elif value.ndim == 0 and not isinstance(value, DTensor):
+                    own[stat] = float(value)
+                else:  # (a state tensor shaped like its fused parameter is laid out like it)
+                    out[f"state.{name}.{stat}"] = global_tensor_of(
+                        value, fused if fused is not None and value.shape == p.shape else None, requires_grad=False)
+            if own:
+                scalars[name] = own
         hyper["scalar_state"] = scalars
         groups.append(hyper)
     out[PARAM_GROUPS] = groups
