@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from peftckpt.checkpoint.api import Checkpointer, LoadOptions, SaveOptions
 from peftckpt.checkpoint.errors import CheckpointError
@@ -208,3 +208,31 @@ def test_the_metadata_pickle_of_reused_entries_is_an_ordinary_pickle(tmp_path: P
             assert loaded.storage_data == metadata.storage_data and loaded.version == "1.0.0"
     with pytest.raises(ValueError, match="other entries"):
         memo.pickler.dumps(Metadata(dict(memo.metadata.state_dict_metadata)))
+
+
+def test_equal_copies_of_the_storage_items_are_pickled_as_references(tmp_path: Path) -> None:
+    """The coordinator receives the other ranks' write results as copies: where they equal the items pickled,
+    entry for entry, the pickler adopts its own objects (their pickle is memo references, a fraction of the
+    size); a moved item, a different index, or another count is not adopted."""
+    model, opt = _run()
+    _step(model, opt)
+    ckpt = Checkpointer([model], opt, **KW)
+    ckpt.save(tmp_path, 1, {"iteration": 1}, TRAINABLE)
+    memo = _plans(ckpt)
+    assert memo.pickler is not None and memo.metadata is not None
+    held = memo.metadata.storage_data
+    copies = pickle.loads(pickle.dumps(held))  # as gathered
+    adopted = memo.pickler.adopt(copies)
+    assert adopted == held
+    assert all(k is hk and v is hv for (k, v), (hk, hv) in zip(adopted.items(), held.items()))
+    as_copies = memo.pickler.dumps(Metadata(memo.metadata.state_dict_metadata, storage_data=copies))
+    as_adopted = memo.pickler.dumps(Metadata(memo.metadata.state_dict_metadata, storage_data=adopted))
+    assert pickle.loads(as_adopted).storage_data == held == pickle.loads(as_copies).storage_data
+    assert len(as_copies) - len(as_adopted) >= 20 * len(held)  # (each copy pickled anew: its index and place)
+    first = next(iter(copies))
+    moved = dict(copies)
+    moved[first] = _StorageInfo(copies[first].relative_path, copies[first].offset + 1, copies[first].length)
+    renamed = {(MetadataIndex("other", k.offset, k.index) if k is first else k): v for k, v in copies.items()}
+    fewer = dict(list(copies.items())[1:])
+    assert memo.pickler.adopt(moved) is None and memo.pickler.adopt(renamed) is None
+    assert memo.pickler.adopt(fewer) is None

@@ -230,9 +230,14 @@ class FramedFileSystemWriter(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for written in results for r in written}
         metadata.storage_meta = self.storage_meta()
-        if plans.pickler is None or not plans.pickler.holds(metadata.storage_data):
-            plans.pickler = MetadataPickler(metadata.state_dict_metadata, metadata.storage_data)
-        data = plans.pickler.dumps(metadata)
+        pickler = plans.pickler
+        adopted = pickler.adopt(metadata.storage_data) if pickler is not None else None
+        if adopted is not None:  # every item where the last save put it
+            metadata.storage_data = adopted
+        else:
+            pickler = plans.pickler = MetadataPickler(metadata.state_dict_metadata, metadata.storage_data)
+        assert pickler is not None
+        data = pickler.dumps(metadata)
         final = cast(Path, self.fs.concat_path(self.path, DCP_METADATA_FILENAME))
         temporary = cast(Path, self.fs.concat_path(self.path, f"{DCP_METADATA_FILENAME}.tmp"))
         with self.fs.create_stream(temporary, "wb") as stream:

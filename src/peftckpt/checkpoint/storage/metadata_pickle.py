@@ -10,7 +10,8 @@ its file: the same objects at every save that writes each item where the last on
 explicit memo indices) and keeps the bytes and the pickler's memo. A save's metadata is then that prefix, a
 ``POP`` (the entries stay in the unpickler's memo), and the metadata pickled by a pickler that starts from the
 kept memo: every entry and index, and every storage item in its old place, is a memo reference; only the
-items that moved and the small fields are new. The
+items that moved and the small fields are new (the ranks' write results reach the coordinator as copies: equal
+ones are swapped for the objects pickled, :meth:`MetadataPickler.adopt`). The
 result is one ordinary pickle (memo indices in order, one ``STOP``) that stock ``pickle.load`` -- stock DCP --
 and the restricted reader load as DCP's own. It relies on the entries never being mutated once planned, as
 the plan memo does, nor the storage items once written.
@@ -42,13 +43,20 @@ class MetadataPickler:
         assert data.startswith(_PROTO) and data.endswith(pickle.STOP)
         self._prefix = data[:-1] + pickle.POP
         self.entries = entries
-        self._items = list(storage.values())
+        self._storage = dict(storage)
 
-    def holds(self, storage: Mapping[MetadataIndex, Any]) -> bool:
-        """Whether ``storage``'s items are the very objects this pickler pickled (a save that put every item where
-        the last one did reuses them): else a new pickler pickles them once more, for the saves after it."""
-        items = self._items
-        return len(storage) == len(items) and all(a is b for a, b in zip(storage.values(), items))
+    def adopt(self, storage: Mapping[MetadataIndex, Any]) -> dict[MetadataIndex, Any] | None:
+        """``storage`` made of the very objects this pickler pickled, where it is equal to them entry for entry, in
+        order (a save that put every item where the last one did: this rank's results are the same objects, the
+        other ranks' reach the coordinator as equal copies); ``None`` where it differs (then a new pickler pickles
+        its items once more, for the saves after it)."""
+        held = self._storage
+        if len(storage) != len(held):
+            return None
+        for (key, item), (held_key, held_item) in zip(storage.items(), held.items()):
+            if (key is not held_key and key != held_key) or (item is not held_item and item != held_item):
+                return None
+        return dict(held)
 
     def dumps(self, metadata: Metadata) -> bytes:
         """The pickle of ``metadata`` (its ``state_dict_metadata`` must be :attr:`entries`)."""
