@@ -236,3 +236,34 @@ def test_equal_copies_of_the_storage_items_are_pickled_as_references(tmp_path: P
     fewer = dict(list(copies.items())[1:])
     assert memo.pickler.adopt(moved) is None and memo.pickler.adopt(renamed) is None
     assert memo.pickler.adopt(fewer) is None
+
+
+def test_repeated_write_results_travel_as_a_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose write results are the very ones of the save before sends a token; the coordinator puts back
+    the results it gathered then (the same objects), and the checkpoint is whole and loads. A token the
+    coordinator cannot resolve is a bug, refused."""
+    from peftckpt.checkpoint.storage import dcp_writer
+
+    finished: list[list[list[Any]]] = []
+    original = dcp_writer.FramedFileSystemWriter.finish
+
+    def spy(self: Any, metadata: Metadata, results: list[list[Any]]) -> None:
+        finished.append(results)
+        original(self, metadata, results)
+
+    monkeypatch.setattr(dcp_writer.FramedFileSystemWriter, "finish", spy)
+    model, opt = _run()
+    _step(model, opt)
+    ckpt = Checkpointer([model], opt, **KW)
+    for iteration in (1, 2, 3):
+        ckpt.save(tmp_path, iteration, {"iteration": 1}, TRAINABLE)
+    memo = _plans(ckpt)
+    assert memo.wrote and memo.gathered == finished[-1]
+    assert finished[2][0] is finished[1][0] is finished[0][0]  # put back: the first save's very list
+    assert verify_checkpoint(tmp_path / "iter_0000003").ok
+    fresh, fresh_opt = _run()
+    Checkpointer([fresh], fresh_opt, **KW).load(tmp_path, LoadOptions(strictness="ignore_all"))
+    assert torch.equal(fresh[1].weight, model[1].weight)
+    memo.gathered = []
+    with pytest.raises(Exception, match="said to repeat the last save's"):
+        ckpt.save(tmp_path, 4, {"iteration": 1}, TRAINABLE)

@@ -91,6 +91,11 @@ class PlanMemo:
     framed: FramedLayout | None = None
     """This rank's data file's tensor items as the first save with this memo wrote them: later ones write their
     tensors through it, with a few calls for all items (:mod:`~peftckpt.checkpoint.storage.framed_layout`)."""
+    gathered: list[list[WriteResult]] = field(default_factory=list)
+    """Every rank's write results of the last save with this memo (coordinator): a rank whose results are the
+    very ones it wrote last time sends a token instead of them."""
+    wrote: bool = False
+    """A save with this memo wrote this rank's data file (its results are :attr:`written`, possibly none)."""
     written: list[WriteResult] = field(default_factory=list)
     """This rank's write results of the last save with this memo, in file order: a save that puts an item where
     that one did reuses its result, so the metadata's storage items are the objects :attr:`pickler` holds."""
