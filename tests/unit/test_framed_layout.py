@@ -93,11 +93,6 @@ def test_a_repeated_layout_writes_the_per_item_paths_bytes(tmp_path: Path, monke
 
 def test_a_tensor_that_does_not_fit_its_slot_is_refused() -> None:
     class Sink:
-        at = 0
-
-        def write(self, data: object) -> None:
-            raise AssertionError("nothing may be written")
-
         def write_views(self, views: object) -> None:
             raise AssertionError("nothing may be written")
 
@@ -113,6 +108,8 @@ def test_a_tensor_that_does_not_fit_its_slot_is_refused() -> None:
         layout.write(Sink(), [torch.zeros(8), torch.zeros(70_000)])
     with pytest.raises(ValueError, match="tensor item 1 holds"):
         layout.write(Sink(), [torch.zeros(4, 4), torch.zeros(69_999)])
+    with pytest.raises(ValueError, match="1 tensors for a layout of 2"):
+        layout.write(Sink(), [torch.zeros(4, 4)])
     assert FramedLayout.matching(slots[1:]) is None  # not laid out from the file's start: no layout
 
 

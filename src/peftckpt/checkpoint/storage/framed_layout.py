@@ -47,10 +47,6 @@ _DIGEST_BATCH_BYTES = 16 << 20
 class Gathering(Protocol):
     """Where the file's bytes go, in order (the DCP writer's queue of vectored writes)."""
 
-    at: int
-
-    def write(self, data: bytes | memoryview) -> None: ...
-
     def write_views(self, views: Sequence[memoryview]) -> None: ...
 
 
@@ -102,6 +98,8 @@ class FramedLayout:
         """Write the records of ``tensors`` (this layout's items, in file order; the caller checked that
         ``out`` is at the file's start) and return each item's block index text."""
         # 1. Each tensor's bytes as they are in memory (checked to be the size its record frames).
+        if len(tensors) != len(self.slots):
+            raise ValueError(f"{len(tensors)} tensors for a layout of {len(self.slots)}")
         data = [self._bytes_of(i, t) for i, t in enumerate(tensors)]
         # 2. The larger tensors' block digests, taken on another core in batches while the file is written.
         batches: list[tuple[list[int], Future[list[list[int]]]]] = []
