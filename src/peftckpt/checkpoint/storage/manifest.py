@@ -194,10 +194,13 @@ _OPTIONAL_FIELDS = {"base_sums"}
 _ENCODE = json.JSONEncoder(sort_keys=True, allow_nan=False).encode
 """One encoder for every value (``json.dumps`` builds one per call given options): its text of a value is the
 canonical one (``json.dumps(value, sort_keys=True, allow_nan=False)``)."""
+_MEMO_KEYS = frozenset({"saved_keys", "excluded_keys", "base_sums"})
+"""The fields whose texts are kept: their values' types are fixed (ints, strings, bools), so equal values have one
+text (``args``, free-form, could hold ``1`` where the last save held ``1.0``)."""
 _MEMO_MIN_ENTRIES = 64
 _MEMO_FIELDS = 8
 _memo: collections.OrderedDict[tuple[str, int], tuple[dict[str, Any], str, str]] = collections.OrderedDict()
-"""Large mapping fields' texts, by field name and entry count: ``(a private copy of the value, its canonical
+"""Large key-record fields' texts, by field name and entry count: ``(a private copy of the value, its canonical
 JSON, its entry-per-line text)``. Every save of a run records the same key records (a few thousand entries, whose
 encoding one by one was most of a small adapter save's manifest); a value equal to the copy has the same texts.
 (``==`` equates ``True`` with ``1``: the key records' fields are typed by the code that builds them.)"""
@@ -210,9 +213,10 @@ def _field_texts(key: str, value: Any) -> tuple[str, str]:
     if not (isinstance(value, dict) and value):
         text = _ENCODE(value)
         return text, text
+    kept = key in _MEMO_KEYS and len(value) >= _MEMO_MIN_ENTRIES
     memo_key = (key, len(value))
     with _memo_lock:
-        held = _memo.get(memo_key) if len(value) >= _MEMO_MIN_ENTRIES else None
+        held = _memo.get(memo_key) if kept else None
     if held is not None and held[0] == value:
         return held[1], held[2]
     canonical = _ENCODE(value)
@@ -220,7 +224,7 @@ def _field_texts(key: str, value: Any) -> tuple[str, str]:
         return canonical, canonical
     entries = ",\n".join(f"    {_ENCODE(k)}: {_ENCODE(value[k])}" for k in sorted(value))
     lines = f"{{\n{entries}\n  }}"
-    if len(value) >= _MEMO_MIN_ENTRIES:
+    if kept:
         with _memo_lock:  # (an async save commits on a thread of its own)
             _memo[memo_key] = (json.loads(canonical), canonical, lines)
             while len(_memo) > _MEMO_FIELDS:
