@@ -187,14 +187,19 @@ def test_a_save_after_a_failed_one_plans_afresh(tmp_path: Path, monkeypatch: pyt
     assert _plans(ckpt) is not failed
 
 
-def test_the_metadata_pickle_of_reused_entries_is_an_ordinary_pickle(tmp_path: Path) -> None:
-    """The entries pickled once and each save's storage items after them load -- with stock pickle and with the
-    restricted reader -- as the metadata itself; a metadata of other entries is refused."""
+def _first_save_memo(tmp_path: Path) -> PlanMemo:
+    """The plan memo a first trainable-only save (iteration 1, after one step) leaves."""
     model, opt = _run()
     _step(model, opt)
     ckpt = Checkpointer([model], opt, **KW)
     ckpt.save(tmp_path, 1, {"iteration": 1}, TRAINABLE)
-    memo = _plans(ckpt)
+    return _plans(ckpt)
+
+
+def test_the_metadata_pickle_of_reused_entries_is_an_ordinary_pickle(tmp_path: Path) -> None:
+    """The entries pickled once and each save's storage items after them load -- with stock pickle and with the
+    restricted reader -- as the metadata itself; a metadata of other entries is refused."""
+    memo = _first_save_memo(tmp_path)
     assert memo.pickler is not None and memo.metadata is not None
     written = load_dcp_metadata(tmp_path / "iter_0000001" / ".metadata")
     for shift in (0, 17):  # another save's items: same indices, other places
@@ -214,11 +219,7 @@ def test_equal_copies_of_the_storage_items_are_pickled_as_references(tmp_path: P
     """The coordinator receives the other ranks' write results as copies: where they equal the items pickled,
     entry for entry, the pickler adopts its own objects (their pickle is memo references, a fraction of the
     size); a moved item, a different index, or another count is not adopted."""
-    model, opt = _run()
-    _step(model, opt)
-    ckpt = Checkpointer([model], opt, **KW)
-    ckpt.save(tmp_path, 1, {"iteration": 1}, TRAINABLE)
-    memo = _plans(ckpt)
+    memo = _first_save_memo(tmp_path)
     assert memo.pickler is not None and memo.metadata is not None
     held = memo.metadata.storage_data
     copies = pickle.loads(pickle.dumps(held))  # as gathered

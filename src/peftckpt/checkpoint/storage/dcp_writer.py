@@ -45,7 +45,15 @@ from ..checks.integrity import DCP_METADATA_FILENAME
 from .checksums import overlap_pool
 from .durable import start_flush
 from .framed_layout import SMALL_BYTES, FramedLayout, TensorSlot
-from .framing import IndexedItem, TensorRecord, block_digests, encode_index, tensor_bytes, tensor_record
+from .framing import (
+    IndexedItem,
+    TensorRecord,
+    block_digests,
+    encode_index,
+    host_contiguous,
+    tensor_bytes,
+    tensor_record,
+)
 from .metadata_pickle import MetadataPickler
 from .plan_memo import PlanMemo
 from .planners import EntrySavePlanner
@@ -201,13 +209,7 @@ class FramedFileSystemWriter(FileSystemWriter):
             raw = memoryview(cast(io.BytesIO, data).getbuffer()).cast("B")
             out.write(raw)
             return IndexedItem(0, len(raw), len(raw), 0, [xxhash.xxh3_64_intdigest(raw), xxhash.xxh3_64_intdigest(b"")]), None
-        tensor = cast(torch.Tensor, data)
-        if tensor.requires_grad:
-            tensor = tensor.detach()
-        if not tensor.is_cpu:
-            tensor = tensor.cpu()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
+        tensor = host_contiguous(cast(torch.Tensor, data))
         record = tensor_record(tensor)
         if record is None:  # a dtype without a storage class, or a record too large for a plain zip
             buf = io.BytesIO()

@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from .checksums import overlap_pool
-from .framing import BLOCK_BYTES, TensorRecord, block_digests, tensor_bytes
+from .framing import BLOCK_BYTES, TensorRecord, block_digests, host_contiguous, tensor_bytes
 
 __all__ = ["SMALL_BYTES", "FramedLayout", "TensorSlot"]
 
@@ -124,12 +124,7 @@ class FramedLayout:
         return [head + middle + tail for head, middle, tail in zip(self._index_head, data_hex, self._index_tail)]
 
     def _bytes_of(self, i: int, tensor: torch.Tensor) -> memoryview:
-        t = tensor
-        if not t.is_cpu:
-            t = t.cpu()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        view = tensor_bytes(t)
+        view = tensor_bytes(host_contiguous(tensor))
         if len(view) != self.slots[i].record.nbytes:
             raise ValueError(f"tensor item {i} holds {len(view)} bytes, its layout {self.slots[i].record.nbytes}")
         return view

@@ -37,7 +37,7 @@ from typing import Any, cast
 import torch
 import xxhash
 
-__all__ = ["BLOCK_BYTES", "INDEX_ALGORITHM", "TensorRecord", "tensor_record", "tensor_bytes", "IndexedItem",
+__all__ = ["BLOCK_BYTES", "INDEX_ALGORITHM", "TensorRecord", "tensor_record", "host_contiguous", "tensor_bytes", "IndexedItem",
            "block_digests", "segment_digests", "encode_index", "ends_with_index", "read_index", "BlockIndexError"]
 
 BLOCK_BYTES = 1 << 20
@@ -150,6 +150,17 @@ def tensor_record(tensor: torch.Tensor) -> TensorRecord | None:
 
 _NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                            torch.int8, torch.uint8, torch.bool})
+
+
+def host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` outside autograd, in host memory, contiguous (itself where it already is)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_cpu:
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
